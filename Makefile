@@ -1,0 +1,50 @@
+# plusequals: `make report` (set up + the benchmark report), `make test` (set up + every test).
+# Everything installs into .venv; cargo's target dir is ./target (CARGO_TARGET_DIR overrides).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch-sys's build script runs `python` from VIRTUAL_ENV to find the pip torch and its libtorch.
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
+export LIBTORCH_USE_PYTORCH := 1
+REPORT_ARGS ?=
+
+.PHONY: help venv build-dev test test-python test-rust lint report demo clean
+
+help:
+	@echo "make report   set up, build, run python -m plusequals report (REPORT_ARGS=...)"
+	@echo "make test     set up, build, run pytest and cargo test (parity, bugs, compile-fail)"
+	@echo "make demo     set up, build, run python -m plusequals demo"
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "maturin>=1.7,<2" "torch==2.11.0" numpy matplotlib rich pytest hypothesis psutil
+	touch $@
+
+venv: $(VENV)/.installed
+
+# maturin develop: compiles the extension (release) and installs plusequals editable into .venv
+build-dev: venv
+	$(VENV)/bin/maturin develop --release --quiet
+
+test-python: build-dev
+	$(PY) -m pytest -q
+
+test-rust: venv
+	cargo test
+
+test: test-python test-rust
+
+report: build-dev
+	$(PY) -m plusequals report $(REPORT_ARGS)
+
+demo: build-dev
+	$(PY) -m plusequals demo
+
+lint: venv
+	cargo fmt --check
+	cargo clippy --all-targets -- -D warnings
+
+clean:
+	rm -rf target $(VENV)

@@ -1,0 +1,23 @@
+"""Stub for the extension module built from rust/lib.rs (PyO3 glue over rust/block.rs)."""
+
+from typing import Mapping, Optional
+
+from torch import Tensor
+
+TCH_VERSION: str
+
+class Block:
+    def __init__(
+        self,
+        weights: Mapping[str, Tensor],
+        *,
+        dim: int,
+        n_heads: int,
+        d_head: int,
+        context_dim: Optional[int] = None,
+        gated_ff: bool = True,
+        attention: str = "sdpa",
+    ) -> None: ...
+    def forward(self, x: Tensor, context: Optional[Tensor] = None) -> Tensor: ...
+    def forward_owned(self, x: Tensor, context: Optional[Tensor] = None, donate: bool = False) -> Tensor: ...
+    def forward_loop(self, x: Tensor, context: Optional[Tensor] = None, n: int = 1, owned: bool = False) -> Tensor: ...

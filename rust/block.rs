@@ -1,0 +1,439 @@
+//! The tch twin of `python/plusequals/blocks.py`: CompVis `BasicTransformerBlock` (SD v1).
+//!
+//! Same modules, same field names, same order of operations, weights taken by their PyTorch
+//! state_dict keys. Every libtorch call goes through tch's fallible `f_` form and `?`, so a bad
+//! shape, dtype or device is an `Err`, never a panic.
+
+use std::collections::HashMap;
+
+use tch::{Kind, Tensor};
+
+use crate::error::{Error, Result};
+use crate::ownership::NoGrad;
+
+/// Which attention kernel `CrossAttention` uses (`attention=` in the PyTorch block).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attention {
+    /// `F.scaled_dot_product_attention`.
+    Sdpa,
+    /// The 2022 path: two einsums and a softmax, the score matrix materialised.
+    Einsum,
+}
+
+impl std::str::FromStr for Attention {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "sdpa" => Ok(Attention::Sdpa),
+            "einsum" => Ok(Attention::Einsum),
+            other => Err(Error::config(format!(
+                "attention must be 'sdpa' or 'einsum', got {other:?}"
+            ))),
+        }
+    }
+}
+
+/// The constructor arguments of the PyTorch block that the weights alone do not tell.
+#[derive(Clone, Debug)]
+pub struct BlockConfig {
+    pub dim: i64,
+    pub n_heads: i64,
+    pub d_head: i64,
+    pub context_dim: Option<i64>,
+    pub gated_ff: bool,
+    pub attention: Attention,
+}
+
+/// A name → tensor map (a state_dict) from which modules take their weights by key.
+///
+/// Every take checks the shape; [`Weights::finish`] rejects keys nobody took.
+pub struct Weights {
+    map: HashMap<String, Tensor>,
+    kind: Option<Kind>,
+    device: Option<tch::Device>,
+}
+
+impl Weights {
+    pub fn new(map: HashMap<String, Tensor>) -> Self {
+        Weights {
+            map,
+            kind: None,
+            device: None,
+        }
+    }
+
+    /// Takes `prefix.name`, checking its shape and that all weights share one dtype and device.
+    pub fn take(&mut self, prefix: &str, name: &str, shape: &[i64]) -> Result<Tensor> {
+        let key = format!("{prefix}.{name}");
+        let t = self
+            .map
+            .remove(&key)
+            .ok_or_else(|| Error::MissingWeight(key.clone()))?;
+        if t.size() != shape {
+            return Err(Error::WeightShape {
+                key,
+                expected: shape.to_vec(),
+                got: t.size(),
+            });
+        }
+        let (kind, device) = (t.f_kind()?, t.device());
+        if *self.kind.get_or_insert(kind) != kind || *self.device.get_or_insert(device) != device {
+            return Err(Error::WeightType {
+                key,
+                got: format!("{kind:?} on {device:?}"),
+                expected: format!("{:?} on {:?}", self.kind.unwrap(), self.device.unwrap()),
+            });
+        }
+        Ok(t)
+    }
+
+    /// Errors on the first key (in sorted order) that no module took.
+    pub fn finish(self) -> Result<(Kind, tch::Device)> {
+        let mut extra: Vec<_> = self.map.into_keys().collect();
+        extra.sort();
+        if let Some(key) = extra.into_iter().next() {
+            return Err(Error::UnexpectedWeight(key));
+        }
+        match (self.kind, self.device) {
+            (Some(kind), Some(device)) => Ok((kind, device)),
+            _ => Err(Error::config("the block has no weights".to_string())),
+        }
+    }
+}
+
+/// `nn.Linear`: `x @ weight.T + bias`.
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn load(w: &mut Weights, prefix: &str, d_in: i64, d_out: i64, bias: bool) -> Result<Self> {
+        let weight = w.take(prefix, "weight", &[d_out, d_in])?;
+        let bias = if bias {
+            Some(w.take(prefix, "bias", &[d_out])?)
+        } else {
+            None
+        };
+        Ok(Linear { weight, bias })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.f_linear(&self.weight, self.bias.as_ref())?)
+    }
+}
+
+/// `nn.LayerNorm(dim)`, eps 1e-5, with affine weight and bias.
+pub struct LayerNorm {
+    pub weight: Tensor,
+    pub bias: Tensor,
+    pub dim: i64,
+}
+
+impl LayerNorm {
+    fn load(w: &mut Weights, prefix: &str, dim: i64) -> Result<Self> {
+        Ok(LayerNorm {
+            weight: w.take(prefix, "weight", &[dim])?,
+            bias: w.take(prefix, "bias", &[dim])?,
+            dim,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.f_layer_norm([self.dim], Some(&self.weight), Some(&self.bias), 1e-5, true)?)
+    }
+}
+
+/// CompVis `CrossAttention`: bias-free `to_q`/`to_k`/`to_v`, `to_out.0` with bias.
+pub struct CrossAttention {
+    pub to_q: Linear,
+    pub to_k: Linear,
+    pub to_v: Linear,
+    pub to_out: Linear,
+    pub scale: f64,
+    pub heads: i64,
+    pub attention: Attention,
+}
+
+impl CrossAttention {
+    fn load(
+        w: &mut Weights,
+        prefix: &str,
+        query_dim: i64,
+        context_dim: i64,
+        cfg: &BlockConfig,
+    ) -> Result<Self> {
+        let inner_dim = cfg.d_head * cfg.n_heads;
+        Ok(CrossAttention {
+            to_q: Linear::load(w, &format!("{prefix}.to_q"), query_dim, inner_dim, false)?,
+            to_k: Linear::load(w, &format!("{prefix}.to_k"), context_dim, inner_dim, false)?,
+            to_v: Linear::load(w, &format!("{prefix}.to_v"), context_dim, inner_dim, false)?,
+            to_out: Linear::load(w, &format!("{prefix}.to_out.0"), inner_dim, query_dim, true)?,
+            scale: (cfg.d_head as f64).powf(-0.5),
+            heads: cfg.n_heads,
+            attention: cfg.attention,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
+        let h = self.heads;
+        let q = self.to_q.forward(x)?;
+        let context = context.unwrap_or(x);
+        let k = self.to_k.forward(context)?;
+        let v = self.to_v.forward(context)?;
+        let (b, n, inner) = q.size3()?;
+        let d = inner / h;
+        let out = match self.attention {
+            Attention::Einsum => {
+                // 'b n (h d) -> (b h) n d'
+                let split = |t: &Tensor| -> Result<Tensor> {
+                    Ok(t.f_reshape([b, -1, h, d])?
+                        .f_permute([0, 2, 1, 3])?
+                        .f_reshape([b * h, -1, d])?)
+                };
+                let (q, k, v) = (split(&q)?, split(&k)?, split(&v)?);
+                let sim = Tensor::f_einsum("b i d, b j d -> b i j", &[&q, &k], None::<&[i64]>)?
+                    .f_mul_scalar(self.scale)?;
+                let attn = sim.f_softmax(-1, None::<Kind>)?;
+                let out = Tensor::f_einsum("b i j, b j d -> b i d", &[&attn, &v], None::<&[i64]>)?;
+                // '(b h) n d -> b n (h d)'
+                out.f_reshape([b, h, n, d])?
+                    .f_permute([0, 2, 1, 3])?
+                    .f_reshape([b, n, h * d])?
+            }
+            Attention::Sdpa => {
+                // 'b n (h d) -> b h n d'
+                let split = |t: &Tensor| -> Result<Tensor> {
+                    Ok(t.f_reshape([b, -1, h, d])?.f_transpose(1, 2)?)
+                };
+                let (q, k, v) = (split(&q)?, split(&k)?, split(&v)?);
+                let out = Tensor::f_scaled_dot_product_attention(
+                    &q,
+                    &k,
+                    &v,
+                    None::<Tensor>,
+                    0.0,
+                    false,
+                    self.scale,
+                    false,
+                )?;
+                out.f_transpose(1, 2)?.f_reshape([b, n, h * d])?
+            }
+        };
+        self.to_out.forward(&out)
+    }
+}
+
+/// `GEGLU`: `proj` to twice the width; one half gated by the exact GELU of the other.
+pub struct GeGlu {
+    pub proj: Linear,
+}
+
+impl GeGlu {
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let chunks = self.proj.forward(x)?.f_chunk(2, -1)?;
+        let (x, gate) = (&chunks[0], &chunks[1]);
+        Ok(x.f_mul(&gate.f_gelu("none")?)?)
+    }
+}
+
+/// `FeedForward.net[0]`: GEGLU when `gated_ff` (SD v1), else `Linear` + exact GELU.
+pub enum ProjectIn {
+    GeGlu(GeGlu),
+    Gelu(Linear),
+}
+
+/// CompVis `FeedForward` (mult 4): `net = [project_in, Dropout, Linear]`.
+pub struct FeedForward {
+    pub net_0: ProjectIn,
+    pub net_2: Linear,
+}
+
+impl FeedForward {
+    fn load(w: &mut Weights, prefix: &str, dim: i64, glu: bool) -> Result<Self> {
+        let inner_dim = 4 * dim;
+        let net_0 = if glu {
+            ProjectIn::GeGlu(GeGlu {
+                proj: Linear::load(w, &format!("{prefix}.net.0.proj"), dim, inner_dim * 2, true)?,
+            })
+        } else {
+            ProjectIn::Gelu(Linear::load(
+                w,
+                &format!("{prefix}.net.0.0"),
+                dim,
+                inner_dim,
+                true,
+            )?)
+        };
+        Ok(FeedForward {
+            net_0,
+            net_2: Linear::load(w, &format!("{prefix}.net.2"), inner_dim, dim, true)?,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = match &self.net_0 {
+            ProjectIn::GeGlu(geglu) => geglu.forward(x)?,
+            ProjectIn::Gelu(linear) => linear.forward(x)?.f_gelu("none")?,
+        };
+        self.net_2.forward(&x)
+    }
+}
+
+/// CompVis `BasicTransformerBlock`: self-attention, cross-attention, feed-forward, each
+/// behind a LayerNorm and a residual add.
+pub struct BasicTransformerBlock {
+    pub attn1: CrossAttention,
+    pub ff: FeedForward,
+    pub attn2: CrossAttention,
+    pub norm1: LayerNorm,
+    pub norm2: LayerNorm,
+    pub norm3: LayerNorm,
+    pub dim: i64,
+    pub context_dim: i64,
+    kind: Kind,
+    device: tch::Device,
+}
+
+impl BasicTransformerBlock {
+    /// Builds the block from a state_dict with CompVis keys; every key must be used exactly once.
+    pub fn from_weights(weights: HashMap<String, Tensor>, cfg: &BlockConfig) -> Result<Self> {
+        if cfg.dim <= 0
+            || cfg.n_heads <= 0
+            || cfg.d_head <= 0
+            || cfg.context_dim.is_some_and(|c| c <= 0)
+        {
+            return Err(Error::config(format!(
+                "dimensions must be positive: {cfg:?}"
+            )));
+        }
+        let (dim, context_dim) = (cfg.dim, cfg.context_dim.unwrap_or(cfg.dim));
+        let w = &mut Weights::new(weights);
+        let attn1 = CrossAttention::load(w, "attn1", dim, dim, cfg)?;
+        let ff = FeedForward::load(w, "ff", dim, cfg.gated_ff)?;
+        let attn2 = CrossAttention::load(w, "attn2", dim, context_dim, cfg)?;
+        let norm1 = LayerNorm::load(w, "norm1", dim)?;
+        let norm2 = LayerNorm::load(w, "norm2", dim)?;
+        let norm3 = LayerNorm::load(w, "norm3", dim)?;
+        let w = std::mem::replace(w, Weights::new(HashMap::new()));
+        let (kind, device) = w.finish()?;
+        Ok(BasicTransformerBlock {
+            attn1,
+            ff,
+            attn2,
+            norm1,
+            norm2,
+            norm3,
+            dim,
+            context_dim,
+            kind,
+            device,
+        })
+    }
+
+    /// `op_plus_x`, out of place: `x` is only borrowed, so it cannot be mutated.
+    pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
+        self.check_inputs(x, context)?;
+        let x = self
+            .attn1
+            .forward(&self.norm1.forward(x)?, None)?
+            .f_add(x)?;
+        let x = self
+            .attn2
+            .forward(&self.norm2.forward(&x)?, context)?
+            .f_add(&x)?;
+        let x = self.ff.forward(&self.norm3.forward(&x)?)?.f_add(&x)?;
+        Ok(x)
+    }
+
+    /// `iadd` made safe: the caller gave `x` up (it is moved in), and the `&NoGrad` proof
+    /// says autograd is not recording, so no saved activation can be overwritten.
+    pub fn forward_owned(
+        &self,
+        mut x: Tensor,
+        context: Option<&Tensor>,
+        _grad_off: &NoGrad,
+    ) -> Result<Tensor> {
+        self.check_inputs(&x, context)?;
+        x.add_in_place(&self.attn1.forward(&self.norm1.forward(&x)?, None)?)?;
+        x.add_in_place(&self.attn2.forward(&self.norm2.forward(&x)?, context)?)?;
+        x.add_in_place(&self.ff.forward(&self.norm3.forward(&x)?)?)?;
+        Ok(x)
+    }
+
+    /// Checks what libtorch would otherwise reject with a less helpful message.
+    pub fn check_inputs(&self, x: &Tensor, context: Option<&Tensor>) -> Result<()> {
+        self.check_input("x", x, self.dim)?;
+        if let Some(context) = context {
+            self.check_input("context", context, self.context_dim)?;
+            if context.size()[0] != x.size()[0] {
+                return Err(Error::input(
+                    "context",
+                    format!(
+                        "batch {} does not match x's batch {}",
+                        context.size()[0],
+                        x.size()[0]
+                    ),
+                ));
+            }
+        } else if self.context_dim != self.dim {
+            return Err(Error::input(
+                "context",
+                format!(
+                    "is required: the block's cross-attention expects width {}",
+                    self.context_dim
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_input(&self, arg: &'static str, t: &Tensor, width: i64) -> Result<()> {
+        let size = t.size();
+        if size.len() != 3 || size[2] != width {
+            return Err(Error::input(
+                arg,
+                format!("expected shape (batch, tokens, {width}), got {size:?}"),
+            ));
+        }
+        if size[0] == 0 || size[1] == 0 {
+            return Err(Error::input(
+                arg,
+                format!("is empty (shape {size:?}): attention needs a batch and tokens"),
+            ));
+        }
+        let kind = t.f_kind()?;
+        if kind != self.kind {
+            return Err(Error::input(
+                arg,
+                format!(
+                    "dtype {kind:?} does not match the block's weights ({:?})",
+                    self.kind
+                ),
+            ));
+        }
+        if t.device() != self.device {
+            return Err(Error::input(
+                arg,
+                format!(
+                    "is on {:?} but the block's weights are on {:?}",
+                    t.device(),
+                    self.device
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `x += y` without tch's panicking `AddAssign`: libtorch's `add_`, its error returned.
+pub trait AddInPlace {
+    fn add_in_place(&mut self, y: &Tensor) -> Result<()>;
+}
+
+impl AddInPlace for Tensor {
+    fn add_in_place(&mut self, y: &Tensor) -> Result<()> {
+        let _same_storage_as_self = self.f_add_(y)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,16 @@
+//! Link flags the torch-sys build script does not emit itself.
+//!
+//! * `-rpath <libtorch lib dir>`: test binaries and the extension find libtorch without
+//!   LD_LIBRARY_PATH (the lib dir is the pip torch's `torch/lib`).
+//! * `--no-as-needed -ltorch`: keeps `libtorch.so` (which pulls in `libtorch_cuda.so`) as a
+//!   dependency even though no Rust symbol references it directly. Without it the CUDA kernels
+//!   are never registered when Rust calls libtorch, and CUDA ops fail with "Could not run ...
+//!   with arguments from the 'CUDA' backend" (tch-rs issues #923, #177, #1015).
+fn main() {
+    println!("cargo:rerun-if-changed=rust/build.rs");
+    if let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
+        println!("cargo:rustc-link-arg=-Wl,-rpath={lib_dir}");
+    }
+    println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
+    println!("cargo:rustc-link-arg=-ltorch");
+}

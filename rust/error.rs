@@ -1,0 +1,46 @@
+//! One error type for the block; `lib.rs` maps each variant to a Python exception.
+
+use tch::TchError;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A key the block needs is not in the state_dict.
+    #[error("missing weight {0:?}")]
+    MissingWeight(String),
+    /// A key in the state_dict that no module takes.
+    #[error("unexpected weight {0:?}")]
+    UnexpectedWeight(String),
+    #[error("weight {key:?} has shape {got:?}, expected {expected:?}")]
+    WeightShape {
+        key: String,
+        expected: Vec<i64>,
+        got: Vec<i64>,
+    },
+    #[error("weight {key:?} is {got}, but the other weights are {expected}")]
+    WeightType {
+        key: String,
+        got: String,
+        expected: String,
+    },
+    /// Constructor arguments that cannot describe a block.
+    #[error("{0}")]
+    Config(String),
+    /// An argument of `forward`/`forward_owned` the block cannot take; `arg` names it.
+    #[error("{arg} {msg}")]
+    Input { arg: &'static str, msg: String },
+    /// An error raised inside libtorch.
+    #[error(transparent)]
+    Torch(#[from] TchError),
+}
+
+impl Error {
+    pub fn input(arg: &'static str, msg: String) -> Self {
+        Error::Input { arg, msg }
+    }
+
+    pub fn config(msg: String) -> Self {
+        Error::Config(msg)
+    }
+}

@@ -1,0 +1,59 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))  # compvis_reference
+
+from plusequals import BasicTransformerBlock, RustBlock  # noqa: E402
+
+# SD v1 block shapes (tokens, dim, heads, head dim; context 77 x 768) scaled down for 2 CPU cores:
+# widths / 4, tokens / 16, same head count, same tokens-per-width ordering.
+SHAPES = [(256, 80, 8, 10), (64, 160, 8, 20), (16, 320, 8, 40), (4, 320, 8, 40)]
+CONTEXT = (77, 192)
+BATCH = 2
+
+CUDA = torch.cuda.is_available()
+cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def randomize_(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Non-trivial weights everywhere (LayerNorm affine included), deterministic per seed."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if name.startswith("norm"):
+                p.copy_(1.0 + 0.1 * r if name.endswith("weight") else 0.1 * r)
+            else:
+                p.copy_(r * p.shape[-1] ** -0.5)
+    return module
+
+
+def make_block(dim=80, heads=8, d_head=10, context_dim=CONTEXT[1], seed=0, **kw) -> BasicTransformerBlock:
+    return randomize_(BasicTransformerBlock(dim, heads, d_head, context_dim=context_dim, **kw), seed).eval()
+
+
+def make_inputs(tokens=256, dim=80, context=True, batch=BATCH, seed=1, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, tokens, dim, generator=g).to(device, dtype)
+    c = torch.randn(batch, CONTEXT[0], CONTEXT[1], generator=g).to(device, dtype) if context else None
+    return x, c
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture
+def block():
+    return make_block()
+
+
+@pytest.fixture
+def rust(block):
+    return RustBlock.from_torch(block)

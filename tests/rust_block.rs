@@ -1,0 +1,153 @@
+//! The Rust block on its own: the two entry points agree, bad weights and inputs are `Err`s.
+
+use std::collections::HashMap;
+
+use plusequals::{Attention, BasicTransformerBlock, BlockConfig, Error, NoGrad};
+use tch::{Device, Kind, Tensor};
+
+pub fn config(attention: Attention) -> BlockConfig {
+    BlockConfig {
+        dim: 32,
+        n_heads: 4,
+        d_head: 8,
+        context_dim: Some(24),
+        gated_ff: true,
+        attention,
+    }
+}
+
+/// Random weights under every CompVis key of a (32-wide, 4 x 8 heads, context 24) block.
+pub fn weights(seed: i64) -> HashMap<String, Tensor> {
+    tch::manual_seed(seed);
+    let (dim, inner, ctx) = (32, 32, 24);
+    let mut w = HashMap::new();
+    let mut put = |k: &str, shape: &[i64]| {
+        w.insert(
+            k.to_string(),
+            Tensor::randn(shape, (Kind::Float, Device::Cpu)) * 0.2,
+        );
+    };
+    for (attn, kv_dim) in [("attn1", dim), ("attn2", ctx)] {
+        put(&format!("{attn}.to_q.weight"), &[inner, dim]);
+        put(&format!("{attn}.to_k.weight"), &[inner, kv_dim]);
+        put(&format!("{attn}.to_v.weight"), &[inner, kv_dim]);
+        put(&format!("{attn}.to_out.0.weight"), &[dim, inner]);
+        put(&format!("{attn}.to_out.0.bias"), &[dim]);
+    }
+    put("ff.net.0.proj.weight", &[8 * dim, dim]);
+    put("ff.net.0.proj.bias", &[8 * dim]);
+    put("ff.net.2.weight", &[dim, 4 * dim]);
+    put("ff.net.2.bias", &[dim]);
+    for n in ["norm1", "norm2", "norm3"] {
+        put(&format!("{n}.weight"), &[dim]);
+        put(&format!("{n}.bias"), &[dim]);
+    }
+    w
+}
+
+fn inputs() -> (Tensor, Tensor) {
+    tch::manual_seed(1);
+    (
+        Tensor::randn([2, 16, 32], (Kind::Float, Device::Cpu)),
+        Tensor::randn([2, 7, 24], (Kind::Float, Device::Cpu)),
+    )
+}
+
+#[test]
+fn forward_owned_equals_forward_and_leaves_borrowed_input_alone() -> plusequals::Result<()> {
+    for attention in [Attention::Sdpa, Attention::Einsum] {
+        let block = BasicTransformerBlock::from_weights(weights(0), &config(attention))?;
+        let (x, c) = inputs();
+        let before = x.copy();
+        let y = block.forward(&x, Some(&c))?;
+        assert!(x.equal(&before), "forward mutated its borrowed input");
+        let no_grad = NoGrad::new();
+        let y_owned = block.forward_owned(x.copy(), Some(&c), &no_grad)?;
+        assert!(y.allclose(&y_owned, 1e-6, 1e-6, false));
+    }
+    Ok(())
+}
+
+#[test]
+fn einsum_and_sdpa_agree() -> plusequals::Result<()> {
+    let (x, c) = inputs();
+    let a = BasicTransformerBlock::from_weights(weights(0), &config(Attention::Sdpa))?
+        .forward(&x, Some(&c))?;
+    let b = BasicTransformerBlock::from_weights(weights(0), &config(Attention::Einsum))?
+        .forward(&x, Some(&c))?;
+    assert!(a.allclose(&b, 1e-5, 1e-5, false));
+    Ok(())
+}
+
+#[test]
+fn bad_weights_are_errors_naming_the_key() {
+    let cfg = config(Attention::Sdpa);
+    let mut w = weights(0);
+    w.remove("attn2.to_v.weight");
+    assert!(
+        matches!(BasicTransformerBlock::from_weights(w, &cfg), Err(Error::MissingWeight(k)) if k == "attn2.to_v.weight")
+    );
+
+    let mut w = weights(0);
+    w.insert(
+        "attn3.to_q.weight".into(),
+        Tensor::zeros([1], (Kind::Float, Device::Cpu)),
+    );
+    assert!(
+        matches!(BasicTransformerBlock::from_weights(w, &cfg), Err(Error::UnexpectedWeight(k)) if k == "attn3.to_q.weight")
+    );
+
+    let mut w = weights(0);
+    w.insert(
+        "norm2.bias".into(),
+        Tensor::zeros([31], (Kind::Float, Device::Cpu)),
+    );
+    assert!(
+        matches!(BasicTransformerBlock::from_weights(w, &cfg), Err(Error::WeightShape { key, .. }) if key == "norm2.bias")
+    );
+
+    let mut w = weights(0);
+    w.insert(
+        "norm2.bias".into(),
+        Tensor::zeros([32], (Kind::Double, Device::Cpu)),
+    );
+    assert!(
+        matches!(BasicTransformerBlock::from_weights(w, &cfg), Err(Error::WeightType { key, .. }) if key == "norm2.bias")
+    );
+}
+
+#[test]
+fn bad_inputs_are_errors_not_panics() -> plusequals::Result<()> {
+    let block = BasicTransformerBlock::from_weights(weights(0), &config(Attention::Sdpa))?;
+    let (x, c) = inputs();
+    let cases: Vec<(Tensor, Option<Tensor>, &str)> = vec![
+        (x.view([32, 32]), Some(c.copy()), "x expected shape"),
+        (
+            Tensor::zeros([2, 16, 31], (Kind::Float, Device::Cpu)),
+            Some(c.copy()),
+            "x expected shape",
+        ),
+        (x.to_kind(Kind::Double), Some(c.copy()), "x dtype"),
+        (x.copy(), Some(c.narrow(0, 0, 1)), "context batch"),
+        (
+            x.copy(),
+            Some(Tensor::zeros([2, 7, 23], (Kind::Float, Device::Cpu))),
+            "context expected shape",
+        ),
+        (x.copy(), None, "context is required"),
+        (
+            Tensor::zeros([2, 0, 32], (Kind::Float, Device::Cpu)),
+            Some(c.copy()),
+            "x is empty",
+        ),
+    ];
+    for (x, c, want) in cases {
+        let err = block.forward(&x, c.as_ref()).err().expect(want).to_string();
+        let words: Vec<_> = want.split(' ').collect();
+        assert!(
+            words.iter().all(|w| err.contains(w)),
+            "{err:?} should mention {want:?}"
+        );
+    }
+    Ok(())
+}
