@@ -10,6 +10,8 @@ fn main() {
     println!("cargo:rerun-if-changed=rust/build.rs");
     if let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
         println!("cargo:rustc-link-arg=-Wl,-rpath={lib_dir}");
+        // For tests that run binaries built outside this crate (trybuild's twins).
+        println!("cargo:rustc-env=PLUSEQUALS_LIBTORCH_LIB={lib_dir}");
     }
     println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
     println!("cargo:rustc-link-arg=-ltorch");

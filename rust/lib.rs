@@ -5,8 +5,9 @@
 pub mod block;
 pub mod error;
 pub mod ownership;
+pub mod testing;
 
-pub use block::{Attention, BasicTransformerBlock, BlockConfig};
+pub use block::{AddInPlace, Attention, BasicTransformerBlock, BlockConfig};
 pub use error::{Error, Result};
 pub use ownership::NoGrad;
 

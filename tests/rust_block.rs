@@ -2,55 +2,20 @@
 
 use std::collections::HashMap;
 
+use plusequals::testing::{small_config, small_inputs, small_weights};
 use plusequals::{Attention, BasicTransformerBlock, BlockConfig, Error, NoGrad};
 use tch::{Device, Kind, Tensor};
 
-pub fn config(attention: Attention) -> BlockConfig {
-    BlockConfig {
-        dim: 32,
-        n_heads: 4,
-        d_head: 8,
-        context_dim: Some(24),
-        gated_ff: true,
-        attention,
-    }
+fn config(attention: Attention) -> BlockConfig {
+    small_config(attention)
 }
 
-/// Random weights under every CompVis key of a (32-wide, 4 x 8 heads, context 24) block.
-pub fn weights(seed: i64) -> HashMap<String, Tensor> {
-    tch::manual_seed(seed);
-    let (dim, inner, ctx) = (32, 32, 24);
-    let mut w = HashMap::new();
-    let mut put = |k: &str, shape: &[i64]| {
-        w.insert(
-            k.to_string(),
-            Tensor::randn(shape, (Kind::Float, Device::Cpu)) * 0.2,
-        );
-    };
-    for (attn, kv_dim) in [("attn1", dim), ("attn2", ctx)] {
-        put(&format!("{attn}.to_q.weight"), &[inner, dim]);
-        put(&format!("{attn}.to_k.weight"), &[inner, kv_dim]);
-        put(&format!("{attn}.to_v.weight"), &[inner, kv_dim]);
-        put(&format!("{attn}.to_out.0.weight"), &[dim, inner]);
-        put(&format!("{attn}.to_out.0.bias"), &[dim]);
-    }
-    put("ff.net.0.proj.weight", &[8 * dim, dim]);
-    put("ff.net.0.proj.bias", &[8 * dim]);
-    put("ff.net.2.weight", &[dim, 4 * dim]);
-    put("ff.net.2.bias", &[dim]);
-    for n in ["norm1", "norm2", "norm3"] {
-        put(&format!("{n}.weight"), &[dim]);
-        put(&format!("{n}.bias"), &[dim]);
-    }
-    w
+fn weights(seed: i64) -> HashMap<String, Tensor> {
+    small_weights(seed)
 }
 
 fn inputs() -> (Tensor, Tensor) {
-    tch::manual_seed(1);
-    (
-        Tensor::randn([2, 16, 32], (Kind::Float, Device::Cpu)),
-        Tensor::randn([2, 7, 24], (Kind::Float, Device::Cpu)),
-    )
+    small_inputs()
 }
 
 #[test]

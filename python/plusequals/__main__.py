@@ -1,0 +1,30 @@
+"""``python -m plusequals demo | report``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m plusequals", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="each += bug live in PyTorch, each refused by rustc")
+    demo.add_argument("--skip-compile-fail", action="store_true", help="do not run cargo on tests/ui")
+    report = sub.add_parser("report", help="the benchmark report: REPORT.md, results.json, plots")
+    report.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available, else cpu")
+    report.add_argument("--quick", action="store_true", help="small shapes, finishes in about a minute on 2 CPU cores")
+    report.add_argument("--out", default="report", help="output directory (default: ./report)")
+    report.add_argument("--no-unet", action="store_true", help="skip the full-UNet-step comparison")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import run
+
+        return run(skip_compile_fail=args.skip_compile_fail)
+    from .report import run as run_report
+
+    return run_report(device=args.device, quick=args.quick, out=args.out, unet=not args.no_unet)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""``python -m plusequals demo``: each bug live in PyTorch, each refused by rustc.
+
+Exits non-zero if anything differs from ``bugs.EXPECTED`` or from ``tests/ui/cases.txt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from . import bugs
+from .blocks import STRATEGIES
+
+REPO = Path(__file__).resolve().parents[2]
+UI = REPO / "tests" / "ui"
+
+
+@dataclass
+class Case:
+    name: str
+    code: str
+    mirrors: str
+
+
+def read_cases(ui: Path = UI) -> list[Case]:
+    cases = []
+    for line in (ui / "cases.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, code, mirrors = line.split(maxsplit=2)
+            cases.append(Case(name, code, mirrors))
+    return cases
+
+
+def cargo_env() -> dict[str, str]:
+    """What torch-sys's build script needs to find this interpreter's torch."""
+    env = dict(os.environ)
+    env["LIBTORCH_USE_PYTORCH"] = "1"
+    env["VIRTUAL_ENV"] = sys.prefix
+    env["PATH"] = f"{Path(sys.prefix) / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    # The project's own target dir: the dependencies (torch-sys's C++ above all) built by
+    # `cargo test` are reused instead of rebuilt.
+    env.setdefault("CARGO_TARGET_DIR", str(REPO / "target"))
+    return env
+
+
+def check_cases(cases: list[Case], console: Console) -> dict[str, tuple[list[str], str]]:
+    """``cargo check`` every case and its ``_fixed`` twin as binaries of a scratch crate that
+    depends on this one. Returns, per binary, its error codes and its first rendered error."""
+    project = REPO / "target" / "demo-compile-fail"
+    project.mkdir(parents=True, exist_ok=True)
+    bins = [c.name for c in cases] + [f"{c.name}_fixed" for c in cases]
+    manifest = [
+        "[package]",
+        'name = "plusequals-demo-cases"',
+        'version = "0.0.0"',
+        'edition = "2021"',
+        "publish = false",
+        "",
+        "[workspace]",
+        "",
+        "[dependencies]",
+        f"plusequals = {{ path = {json.dumps(str(REPO))} }}",
+        'tch = "=0.24.0"',
+    ]
+    for b in bins:
+        manifest += ["", "[[bin]]", f'name = "{b}"', f"path = {json.dumps(str(UI / (b + '.rs')))}"]
+    (project / "Cargo.toml").write_text("\n".join(manifest) + "\n")
+    shutil.copy(REPO / "Cargo.lock", project / "Cargo.lock")
+    cmd = ["cargo", "check", "--bins", "--keep-going", "--message-format=json", "--manifest-path", str(project / "Cargo.toml")]
+    with console.status("cargo check on the compile-fail cases (the first run builds torch-sys: a minute or two)"):
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=cargo_env())
+    found: dict[str, tuple[list[str], str]] = {b: ([], "") for b in bins}
+    for line in proc.stdout.splitlines():
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if msg.get("reason") != "compiler-message" or msg["target"]["name"] not in found:
+            continue
+        m = msg["message"]
+        if m["level"] == "error" and m.get("code"):
+            codes, first = found[msg["target"]["name"]]
+            codes.append(m["code"]["code"])
+            if not first:
+                found[msg["target"]["name"]] = (codes, m["rendered"])
+    if not any(codes for codes, _ in found.values()) and proc.returncode != 0:
+        console.print(proc.stderr[-3000:])
+    return found
+
+
+def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> int:
+    console = console or Console()
+    failures: list[str] = []
+
+    def verdict(ok: bool, what: str) -> str:
+        if not ok:
+            failures.append(what)
+        return "[green]as expected[/]" if ok else "[bold red]UNEXPECTED[/]"
+
+    console.rule("[bold]1. The caller's tensor (inference)")
+    console.print("A caller keeps `skip = x`, calls the block, then reads `skip`.\n")
+    t = Table("strategy", "caller's x after the call", "max |change|", "check")
+    for s in STRATEGIES:
+        r = bugs.caller_aliasing(s)
+        seen = "[red]MUTATED[/]" if r.caller_mutated else "unchanged"
+        t.add_row(s, seen, f"{r.max_change:.3g}", verdict(r.caller_mutated == bugs.EXPECTED[s].caller_mutated, f"aliasing/{s}"))
+    console.print(t)
+    shares = bugs.copy_copy_shares_storage()
+    console.print(f"copy.copy(x) shares x's storage: [bold]{shares}[/] ({verdict(shares, 'copy.copy')})\n")
+
+    console.rule("[bold]2. Autograd (a textual-inversion loop)")
+    console.print("learnable embedding -> block -> MSE -> backward -> SGD step, 3 steps; then with CompVis checkpointing.\n")
+    t = Table("strategy", "checkpoint", "result", "check")
+    for ckpt in (False, True):
+        for s in STRATEGIES:
+            r = bugs.textual_inversion(s, checkpoint=ckpt)
+            e = bugs.EXPECTED[s]
+            want = e.training_checkpointed if ckpt else e.training
+            ok = (r.error is None and r.embedding_moved) if want is None else (r.error or "").startswith(want)
+            shown = "[green]trains[/]" if r.error is None else f"[red]{r.error[:110]}[/]"
+            t.add_row(s, str(ckpt), shown, verdict(ok, f"training/{s}/checkpoint={ckpt}"))
+    console.print(t)
+    msg = bugs.leaf_iadd()
+    console.print(f"iadd on a leaf that requires grad: [red]{msg}[/] ({verdict(msg.startswith(bugs.LEAF), 'leaf')})\n")
+
+    console.rule("[bold]3. The same bugs in Rust: refused by rustc")
+    if skip_compile_fail:
+        console.print("[yellow]skipped (--skip-compile-fail)[/]")
+    elif not (UI / "cases.txt").exists() or shutil.which("cargo") is None:
+        console.print(f"[bold red]needs the source checkout (tests/ui under {REPO}) and cargo on PATH[/]")
+        failures.append("compile-fail: no source tree or cargo")
+    else:
+        cases = read_cases()
+        found = check_cases(cases, console)
+        t = Table("case (tests/ui/)", "PyTorch bug it mirrors", "expected", "rustc said", "fixed twin", "check")
+        for c in cases:
+            codes, _ = found[c.name]
+            twin_codes, _ = found[f"{c.name}_fixed"]
+            ok = codes[:1] == [c.code] and not twin_codes
+            t.add_row(c.name, c.mirrors, c.code, ", ".join(codes) or "compiled!", "compiles" if not twin_codes else ", ".join(twin_codes), verdict(ok, f"rustc/{c.name}"))
+        console.print(t)
+        for c in cases:
+            codes, rendered = found[c.name]
+            if rendered:
+                console.print(f"[bold]{c.name}.rs[/]")
+                console.print("\n".join(rendered.splitlines()[:8]), markup=False, highlight=False)
+        console.print(
+            "\nThe limit: `Tensor::shallow_clone` gives a second owned handle on the same storage; rustc sees two values, "
+            "and the in-place forward mutates what the other reads (tests/shallow_clone.rs runs it)."
+        )
+
+    console.rule("[bold]4. The runtime mirror at the Python boundary (RustBlock)")
+    _runtime_mirror(console, verdict)
+
+    console.rule()
+    if failures:
+        console.print(f"[bold red]{len(failures)} expectation(s) failed:[/] {', '.join(failures)}")
+        return 1
+    console.print("[bold green]every bug reproduced in PyTorch and refused in Rust, as expected[/]")
+    return 0
+
+
+def _runtime_mirror(console: Console, verdict) -> None:
+    from .rust import RustBlock
+
+    block = bugs.small_block()
+    rust = RustBlock.from_torch(block)
+    x, c = torch.randn(2, 16, 32), torch.randn(2, 7, 24)
+    try:
+        rust.forward_owned(x.clone().requires_grad_(True), c)
+        ok, text = False, "accepted!"
+    except RuntimeError as e:
+        ok, text = "requires grad while grad mode is on" in str(e), str(e)
+    console.print(f"forward_owned(x requiring grad) -> [red]{text[:150]}...[/] ({verdict(ok, 'mirror/grad')})")
+    with torch.no_grad():
+        keep = x.clone()
+        rust.forward_owned(x, c)
+        console.print(f"forward_owned(x, donate=False): caller's x unchanged: {torch.equal(x, keep)} ({verdict(torch.equal(x, keep), 'mirror/copy')})")
+        rust.forward_owned(x, c, donate=True)
+        try:
+            x.sum()
+            ok, text = False, "x still usable!"
+        except RuntimeError as e:
+            ok, text = "donated" in str(e), str(e)
+    console.print(f"x.sum() after donate=True -> [red]{text[:120]}...[/] ({verdict(ok, 'mirror/donate')})")

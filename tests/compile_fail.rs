@@ -1,0 +1,46 @@
+//! The compile-fail suite: each case in tests/ui/cases.txt must fail with its stated rustc
+//! error (snapshot in tests/ui/<case>.stderr) and its `<case>_fixed.rs` twin must compile and
+//! run. Update snapshots with `TRYBUILD=overwrite cargo test --test compile_fail`.
+
+fn cases() -> Vec<(&'static str, &'static str)> {
+    include_str!("ui/cases.txt")
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let mut cols = l.split_whitespace();
+            (cols.next().unwrap(), cols.next().unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn ui() {
+    // The twins run as binaries of trybuild's own crate, which do not get this crate's rpath.
+    let lib = env!("PLUSEQUALS_LIBTORCH_LIB");
+    let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    std::env::set_var("LD_LIBRARY_PATH", format!("{lib}:{old}"));
+    let t = trybuild::TestCases::new();
+    for (case, _) in cases() {
+        t.compile_fail(format!("tests/ui/{case}.rs"));
+        t.pass(format!("tests/ui/{case}_fixed.rs"));
+    }
+}
+
+#[test]
+fn every_snapshot_states_its_error_code() {
+    let cases = cases();
+    assert_eq!(cases.len(), 7);
+    for (case, code) in cases {
+        let stderr = std::fs::read_to_string(format!("tests/ui/{case}.stderr"))
+            .unwrap_or_else(|e| panic!("tests/ui/{case}.stderr: {e}"));
+        let first = stderr
+            .lines()
+            .find(|l| l.starts_with("error"))
+            .unwrap_or_default();
+        assert_eq!(
+            first.get(..12),
+            Some(format!("error[{code}]").as_str()),
+            "{case}: {first}"
+        );
+    }
+}

@@ -1,0 +1,16 @@
+//! PyTorch: `x += self.attn1(self.norm1(x))` while autograd still holds `x` (LayerNorm saved
+//! its input for backward): "one of the variables needed for gradient computation has been
+//! modified by an inplace operation". In Rust, a live `&x` forbids the in-place add.
+use plusequals::testing::{small_block, small_inputs};
+use plusequals::{AddInPlace, Result};
+use tch::Kind;
+
+fn main() -> Result<()> {
+    let block = small_block()?;
+    let (mut x, _context) = small_inputs();
+    let saved_by_norm1 = &x;
+    let h = block.attn1.forward(&block.norm1.forward(saved_by_norm1)?, None)?;
+    x.add_in_place(&h)?;
+    println!("backward reads {}", saved_by_norm1.f_mean(Kind::Float)?);
+    Ok(())
+}
