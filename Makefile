@@ -19,14 +19,16 @@ help:
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "maturin>=1.7,<2" "torch==2.11.0" numpy matplotlib rich pytest hypothesis psutil
+	# torch first: torch-sys's build script imports it to find libtorch (same pin as pyproject.toml)
+	$(PY) -m pip install -q "maturin>=1.7,<2" "torch==2.11.0"
 	touch $@
 
 venv: $(VENV)/.installed
 
-# maturin develop: compiles the extension (release) and installs plusequals editable into .venv
+# maturin develop: compiles the extension (release) and installs plusequals editable into .venv,
+# with its dependencies and the test and diffusers extras from pyproject.toml
 build-dev: venv
-	$(VENV)/bin/maturin develop --release --quiet
+	set -o pipefail; $(VENV)/bin/maturin develop --release --quiet --extras test,diffusers 2>&1 | sed '/^Requirement already satisfied/d'
 
 test-python: build-dev
 	$(PY) -m pytest -q

@@ -13,6 +13,18 @@ fn main() {
         // For tests that run binaries built outside this crate (trybuild's twins).
         println!("cargo:rustc-env=PLUSEQUALS_LIBTORCH_LIB={lib_dir}");
     }
+    // The compiler's version, for the benchmark report's environment (the GPU machine has none).
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let version = std::process::Command::new(rustc)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .unwrap_or_default();
+    println!(
+        "cargo:rustc-env=PLUSEQUALS_RUSTC_VERSION={}",
+        version.trim()
+    );
     println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
     println!("cargo:rustc-link-arg=-ltorch");
 }

@@ -122,6 +122,18 @@ mod glue {
             .map_err(to_py)
         }
 
+        /// Everything `forward` does at the boundary (unwrap the tensors, release and retake
+        /// the GIL, wrap a tensor back) and no libtorch op: the binding's own per-call cost.
+        #[pyo3(signature = (x, context=None))]
+        fn echo(&self, py: Python<'_>, x: PyTensor, context: Option<PyTensor>) -> PyTensor {
+            let (x, context) = (x.0, context.map(|c| c.0));
+            let block = &self.block;
+            PyTensor(py.allow_threads(move || {
+                let _ = (block.get().dim, context);
+                x
+            }))
+        }
+
         /// `n` calls of `forward` (or of `forward_owned` on a copy made once) without
         /// returning to Python: libtorch's cost alone, for the benchmark.
         #[pyo3(signature = (x, context=None, n=1, owned=false))]
@@ -168,6 +180,7 @@ mod glue {
         m.py().import("torch")?;
         m.add_class::<PyBlock>()?;
         m.add("TCH_VERSION", "0.24.0")?;
+        m.add("RUSTC_VERSION", env!("PLUSEQUALS_RUSTC_VERSION"))?;
         Ok(())
     }
 }

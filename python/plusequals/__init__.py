@@ -8,6 +8,14 @@ import torch  # noqa: F401  (must precede the extension)
 
 from .blocks import STRATEGIES, BasicTransformerBlock, CrossAttention, FeedForward, GEGLU
 from .rust import DonatedTensor, RustBlock
+from .swap import (  # imports diffusers only when called: diffusers stays optional
+    RustTransformerBlock,
+    SwapHandle,
+    UnsupportedBlockError,
+    sd_v1_unet_config,
+    swap_transformer_blocks,
+    unswap_transformer_blocks,
+)
 
 __all__ = [
     "STRATEGIES",
@@ -17,5 +25,11 @@ __all__ = [
     "GEGLU",
     "RustBlock",
     "DonatedTensor",
+    "RustTransformerBlock",
+    "SwapHandle",
+    "UnsupportedBlockError",
+    "sd_v1_unet_config",
+    "swap_transformer_blocks",
+    "unswap_transformer_blocks",
 ]
 __version__ = "0.1.0"
