@@ -44,6 +44,18 @@ pub struct BlockConfig {
     pub attention: Attention,
 }
 
+impl BlockConfig {
+    /// `n_heads * d_head`, the attention's inner width (an error if it overflows).
+    pub fn inner_dim(&self) -> Result<i64> {
+        self.n_heads.checked_mul(self.d_head).ok_or_else(|| {
+            Error::config(format!(
+                "n_heads * d_head overflows: {} * {}",
+                self.n_heads, self.d_head
+            ))
+        })
+    }
+}
+
 /// A name → tensor map (a state_dict) from which modules take their weights by key.
 ///
 /// Every take checks the shape; [`Weights::finish`] rejects keys nobody took.
@@ -69,11 +81,16 @@ impl Weights {
             .map
             .remove(&key)
             .ok_or_else(|| Error::MissingWeight(key.clone()))?;
-        if t.size() != shape {
+        let got = dense_size(&t).map_err(|e| Error::WeightType {
+            key: key.clone(),
+            got: format!("a tensor without a dense shape ({e})"),
+            expected: "dense tensors".to_string(),
+        })?;
+        if got != shape {
             return Err(Error::WeightShape {
                 key,
                 expected: shape.to_vec(),
-                got: t.size(),
+                got,
             });
         }
         let (kind, device) = (t.f_kind()?, t.device());
@@ -95,7 +112,17 @@ impl Weights {
             return Err(Error::UnexpectedWeight(key));
         }
         match (self.kind, self.device) {
-            (Some(kind), Some(device)) => Ok((kind, device)),
+            (Some(kind), Some(device))
+                if matches!(
+                    kind,
+                    Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double
+                ) =>
+            {
+                Ok((kind, device))
+            }
+            (Some(kind), Some(_)) => Err(Error::config(format!(
+                "the weights are {kind:?}, not a floating-point dtype"
+            ))),
             _ => Err(Error::config("the block has no weights".to_string())),
         }
     }
@@ -163,7 +190,7 @@ impl CrossAttention {
         context_dim: i64,
         cfg: &BlockConfig,
     ) -> Result<Self> {
-        let inner_dim = cfg.d_head * cfg.n_heads;
+        let inner_dim = cfg.inner_dim()?;
         Ok(CrossAttention {
             to_q: Linear::load(w, &format!("{prefix}.to_q"), query_dim, inner_dim, false)?,
             to_k: Linear::load(w, &format!("{prefix}.to_k"), context_dim, inner_dim, false)?,
@@ -251,7 +278,10 @@ pub struct FeedForward {
 
 impl FeedForward {
     fn load(w: &mut Weights, prefix: &str, dim: i64, glu: bool) -> Result<Self> {
-        let inner_dim = 4 * dim;
+        let inner_dim = dim
+            .checked_mul(8)
+            .map(|_| 4 * dim)
+            .ok_or_else(|| Error::config(format!("dim {dim} overflows")))?;
         let net_0 = if glu {
             ProjectIn::GeGlu(GeGlu {
                 proj: Linear::load(w, &format!("{prefix}.net.0.proj"), dim, inner_dim * 2, true)?,
@@ -307,6 +337,7 @@ impl BasicTransformerBlock {
                 "dimensions must be positive: {cfg:?}"
             )));
         }
+        cfg.inner_dim()?;
         let (dim, context_dim) = (cfg.dim, cfg.context_dim.unwrap_or(cfg.dim));
         let w = &mut Weights::new(weights);
         let attn1 = CrossAttention::load(w, "attn1", dim, dim, cfg)?;
@@ -366,14 +397,11 @@ impl BasicTransformerBlock {
         self.check_input("x", x, self.dim)?;
         if let Some(context) = context {
             self.check_input("context", context, self.context_dim)?;
-            if context.size()[0] != x.size()[0] {
+            let (cb, xb) = (context.size()[0], x.size()[0]); // both dense: checked above
+            if cb != xb {
                 return Err(Error::input(
                     "context",
-                    format!(
-                        "batch {} does not match x's batch {}",
-                        context.size()[0],
-                        x.size()[0]
-                    ),
+                    format!("batch {cb} does not match x's batch {xb}"),
                 ));
             }
         } else if self.context_dim != self.dim {
@@ -389,7 +417,8 @@ impl BasicTransformerBlock {
     }
 
     fn check_input(&self, arg: &'static str, t: &Tensor, width: i64) -> Result<()> {
-        let size = t.size();
+        let size =
+            dense_size(t).map_err(|e| Error::input(arg, format!("has no dense shape ({e})")))?;
         if size.len() != 3 || size[2] != width {
             return Err(Error::input(
                 arg,
@@ -436,4 +465,10 @@ impl AddInPlace for Tensor {
         let _same_storage_as_self = self.f_add_(y)?;
         Ok(())
     }
+}
+
+/// The shape, or an error for tensors that have none (nested tensors): tch's `size()` panics
+/// on those, so the shape is asked for through a libtorch op that reports the error instead.
+fn dense_size(t: &Tensor) -> std::result::Result<Vec<i64>, tch::TchError> {
+    Vec::<i64>::try_from(&t.f_internal_shape_as_tensor()?)
 }

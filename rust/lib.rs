@@ -25,6 +25,7 @@ mod glue {
     use pyo3_tch::PyTensor;
     use tch::Tensor;
 
+    use crate::ownership::check_donatable;
     use crate::{BasicTransformerBlock, BlockConfig, Error, NoGrad, Result};
 
     fn to_py(err: Error) -> PyErr {
@@ -114,6 +115,10 @@ mod glue {
             let block = &self.block;
             py.allow_threads(move || -> Result<Tensor> {
                 let no_grad = NoGrad::new();
+                if donate {
+                    block.get().check_inputs(&x, context.as_ref())?;
+                    check_donatable(&x, context.as_ref())?;
+                }
                 let x = if donate { x } else { copy(&x)? };
                 let y = block.get().forward_owned(x, context.as_ref(), &no_grad)?;
                 Ok(if donate { y.f_detach()? } else { y })

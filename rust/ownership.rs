@@ -16,6 +16,10 @@
 
 use std::marker::PhantomData;
 
+use tch::Tensor;
+
+use crate::error::{Error, Result};
+
 /// Grad mode is off while a `NoGrad` lives; `&NoGrad` is the proof the in-place forward needs.
 ///
 /// Grad mode is thread-local in libtorch, so the guard is neither `Send` nor `Sync`: it
@@ -34,4 +38,47 @@ impl NoGrad {
             _not_send: PhantomData,
         }
     }
+}
+
+/// Call after `BasicTransformerBlock::check_inputs` (which rejects tensors without a dense
+/// shape). Checks that `x` can be written in place: no two of its elements share memory (a stride-0
+/// dimension), and `context`, which is read after the writes start, does not overlap it.
+///
+/// This is the run-time half of a move for tensors that arrive from outside Rust (Python), where
+/// the borrow checker cannot see other handles on the same storage.
+pub fn check_donatable(x: &Tensor, context: Option<&Tensor>) -> Result<()> {
+    let (size, stride) = (x.size(), x.stride());
+    if size.iter().zip(&stride).any(|(&n, &s)| n > 1 && s == 0) {
+        return Err(Error::input(
+            "x",
+            "has overlapping memory (a stride-0 dimension): it cannot be written in place".into(),
+        ));
+    }
+    if let Some(c) = context {
+        if overlaps(x, c)? {
+            return Err(Error::input(
+                "context",
+                "overlaps the donated x, which the in-place forward overwrites".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether the memory spans of two tensors intersect (by address range).
+fn overlaps(a: &Tensor, b: &Tensor) -> Result<bool> {
+    let span = |t: &Tensor| -> Result<(usize, usize)> {
+        let start = t.data_ptr() as usize;
+        let (size, stride) = (t.size(), t.stride());
+        if size.contains(&0) {
+            return Ok((start, start));
+        }
+        let last: i64 = size.iter().zip(&stride).map(|(&n, &s)| (n - 1) * s).sum();
+        Ok((
+            start,
+            start + (last as usize + 1) * t.f_kind()?.elt_size_in_bytes(),
+        ))
+    };
+    let ((a0, a1), (b0, b1)) = (span(a)?, span(b)?);
+    Ok(a0 < b1 && b0 < a1)
 }

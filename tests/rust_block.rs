@@ -107,7 +107,7 @@ fn bad_inputs_are_errors_not_panics() -> plusequals::Result<()> {
         ),
     ];
     for (x, c, want) in cases {
-        let err = block.forward(&x, c.as_ref()).err().expect(want).to_string();
+        let err = block.forward(&x, c.as_ref()).expect_err(want).to_string();
         let words: Vec<_> = want.split(' ').collect();
         assert!(
             words.iter().all(|w| err.contains(w)),

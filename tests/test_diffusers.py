@@ -23,8 +23,7 @@ from conftest import cuda, make_block, make_inputs as make_block_inputs, randomi
 from torch import nn
 
 import plusequals
-from plusequals import RustBlock, RustTransformerBlock, SwapHandle, UnsupportedBlockError, swap_transformer_blocks
-from plusequals.swap import _run_under_saved_tensor_hooks
+from plusequals import RustTransformerBlock, SwapHandle, UnsupportedBlockError, swap_transformer_blocks
 
 TOL = 1e-5
 
@@ -172,31 +171,6 @@ def test_gradients_match(diffusers):
         assert rel_err(got_ctx, expected_ctx) <= TOL, f"checkpointing={checkpointing}"
         for got, exp in zip(got_w, expected_w):
             assert got is not None and rel_err(got, exp) <= TOL, f"checkpointing={checkpointing}"
-
-
-def test_pack_hook_exceptions_cross_the_rust_call_with_their_type():
-    """Why the swapped block wraps RustBlock.forward: tch turns an exception raised by a Python
-    saved-tensor hook inside a libtorch op into RuntimeError('Internal torch error'), and
-    non-reentrant checkpointing needs its _StopRecomputationError back (test_gradients_match)."""
-
-    class Boom(Exception):
-        pass
-
-    def pack(t):
-        raise Boom("from the pack hook")
-
-    rust = RustBlock.from_torch(make_block())
-    x, c = make_block_inputs()
-    x.requires_grad_(True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p):
-        with pytest.raises(Boom, match="from the pack hook"):
-            _run_under_saved_tensor_hooks(rust.forward, x, c)
-    # hooks that do not raise still see every saved tensor, and backward unpacks through them
-    packed = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda p: p):
-        y = _run_under_saved_tensor_hooks(rust.forward, x, c)
-    y.square().sum().backward()
-    assert packed and x.grad is not None
 
 
 # --------------------------------------------------------------------------------------------

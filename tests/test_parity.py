@@ -176,3 +176,39 @@ def test_cuda_gradients():
     block(x1, c).square().sum().backward()
     rust.forward(x2, c).square().sum().backward()
     assert rel_err(x2.grad, x1.grad) <= 1e-4  # TF32 may be used by cuBLAS for fp32 on Hopper
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_rust_forward_under_torch_checkpoint(block, rust, use_reentrant):
+    """torch.utils.checkpoint around the Rust call: the non-reentrant kind stops its recomputation
+    by raising from a saved-tensor hook inside a libtorch op, which must cross the Rust frames."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, c = make_inputs()
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    checkpoint(block, x1, c, use_reentrant=use_reentrant).square().sum().backward()
+    checkpoint(rust.forward, x2, c, use_reentrant=use_reentrant).square().sum().backward()
+    assert rel_err(x2.grad, x1.grad) <= TOL
+
+
+def test_pack_hook_exceptions_cross_the_rust_call_with_their_type(rust):
+    """tch turns an exception raised by a Python saved-tensor hook inside a libtorch op into
+    RuntimeError('Internal torch error'); RustBlock.forward hands it back with its own type."""
+
+    class Boom(Exception):
+        pass
+
+    def pack(t):
+        raise Boom("from the pack hook")
+
+    x, c = make_inputs()
+    x.requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p):
+        with pytest.raises(Boom, match="from the pack hook"):
+            rust.forward(x, c)
+    # hooks that do not raise still see every saved tensor, and backward unpacks through them
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda p: p):
+        y = rust.forward(x, c)
+    y.square().sum().backward()
+    assert packed and x.grad is not None
