@@ -483,7 +483,7 @@ def plots(data: dict, outdir: Path) -> None:
         for i, v in enumerate(variants):
             ys = [(_row(data, batch, sh, v) or {}).get("median_ms", float("nan")) for sh in shapes]
             errs = [(_row(data, batch, sh, v) or {}).get("iqr_ms", 0.0) for sh in shapes]
-            ax.bar([j + i * width for j in range(len(shapes))], ys, width, yerr=errs, label=v)
+            ax.bar([j + i * width for j in range(len(shapes))], ys, width, yerr=errs, label=v, color=plt.cm.tab20(i % 20))
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
         ax.set_yscale("log")
         ax.set_ylabel("ms per block call (median, IQR bars)")
@@ -497,7 +497,7 @@ def plots(data: dict, outdir: Path) -> None:
         mem_variants = [v for v in variants if v.startswith(("eager/", "rust/forward"))]
         for i, v in enumerate(mem_variants):
             ys = [(_row(data, 2, sh, v) or {}).get("peak_mb") or float("nan") for sh in shapes]
-            ax.bar([j + i * (0.8 / len(mem_variants)) for j in range(len(shapes))], ys, 0.8 / len(mem_variants), label=v)
+            ax.bar([j + i * (0.8 / len(mem_variants)) for j in range(len(shapes))], ys, 0.8 / len(mem_variants), label=v, color=plt.cm.tab20(i % 20))
         ax.set_xticks(range(len(shapes)), shapes)
         ax.set_ylabel("peak MB above inputs, batch 2")
         ax.legend(fontsize=7)
