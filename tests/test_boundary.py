@@ -150,6 +150,25 @@ def names(message: str, label) -> bool:
     return re.search(rf"{before}{re.escape(text)}(?!\w)", message) is not None
 
 
+
+def attempt(fn, problems, label, refused="valid call refused"):
+    """Runs one generated call. With problems it must raise the expected error (checked);
+    without, it must succeed. Returns (result, error); a Rust panic is a BaseException and is
+    caught here so that it is reported, not lost."""
+    try:
+        result, err = fn(), None
+    except BaseException as e:  # noqa: BLE001
+        result, err = None, e
+    STATS["cases"] += 1
+    if problems:
+        assert err is not None, f"{label}: accepted, expected an error"
+        check_error(err, problems, label)
+        STATS["error"] += 1
+    else:
+        assert err is None, f"{label}: {refused}: {type(err).__name__}: {err}"
+    return result, err
+
+
 def check_error(err: BaseException, problems, context: str) -> None:
     """``err`` is one of the allowed types, names an offending argument, and its type is one
     that one of the problems calls for."""
@@ -351,23 +370,14 @@ def fuzz_call(spec, owned: bool) -> None:
 
     label = f"{'forward_owned' if owned else 'forward'}(donate={donate}, {mode}) on {kind}, problems={problems}"
     with grad_context(mode):
-        try:
-            got = (rust.forward_owned(x, c, donate=donate) if owned else rust.forward(x, c))
-            err = None
-        except BaseException as e:  # a Rust panic is a BaseException: catch it to report it
-            err = e
-
-    STATS["cases"] += 1
+        got, err = attempt(
+            lambda: rust.forward_owned(x, c, donate=donate) if owned else rust.forward(x, c), problems, label, "valid input refused"
+        )
     for role, cat in problems:
         STATS[f"{role}:{cat}"] += 1
     if spec["x"]["specials"] and not problems:
         STATS["valid with NaN/inf"] += 1
-    if problems:
-        assert err is not None, f"{label}: accepted, expected an error"
-        check_error(err, problems, label)
-        STATS["error"] += 1
-    else:
-        assert err is None, f"{label}: valid input refused: {type(err).__name__}: {err}"
+    if not problems:
         assert_matches(got, expected, label)
         if owned:
             assert not got.requires_grad, f"{label}: forward_owned returned a tensor that requires grad"
@@ -618,18 +628,8 @@ def fuzz_from_state_dict(spec):
     snaps = {k: snapshot(v) for k, v in weights.items()}
     label = f"from_state_dict(ops={spec['ops']}, config={cfg}), problems={problems}"
 
-    try:
-        rust = RustBlock.from_state_dict(weights, **cfg)
-        err = None
-    except BaseException as e:
-        err = e
-    STATS["cases"] += 1
-    if problems:
-        assert err is not None, f"{label}: accepted, expected an error"
-        check_error(err, problems, label)
-        STATS["error"] += 1
-    else:
-        assert err is None, f"{label}: valid state_dict refused: {type(err).__name__}: {err}"
+    rust, _ = attempt(lambda: RustBlock.from_state_dict(weights, **cfg), problems, label, "valid state_dict refused")
+    if not problems:
         ref = BasicTransformerBlock(cfg["dim"], cfg["n_heads"], cfg["d_head"], context_dim=cfg["context_dim"],
                                     gated_ff=cfg["gated_ff"], attention=cfg["attention"])
         ref.load_state_dict(weights, strict=True)
@@ -767,18 +767,8 @@ def fuzz_from_torch(spec):
         STATS[f"op:{spec['op']}"] += 1
     snaps = {k: snapshot(v) for k, v in module.named_parameters()} if isinstance(module, nn.Module) else {}
     label = f"from_torch({spec}), problems={problems}"
-    try:
-        rust = RustBlock.from_torch(module)
-        err = None
-    except BaseException as e:
-        err = e
-    STATS["cases"] += 1
-    if problems:
-        assert err is not None, f"{label}: accepted, expected an error"
-        check_error(err, problems, label)
-        STATS["error"] += 1
-    else:
-        assert err is None, f"{label}: valid block refused: {type(err).__name__}: {err}"
+    rust, _ = attempt(lambda: RustBlock.from_torch(module), problems, label, "valid block refused")
+    if not problems:
         device = next(module.parameters()).device
         dtype = next(module.parameters()).dtype
         ctx = spec["context_dim"]

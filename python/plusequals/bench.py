@@ -254,3 +254,30 @@ def compile_variants(s: Setup) -> tuple[list[Variant], dict[str, float]]:
         seconds[mode] = time.perf_counter() - t0
         out.append(Variant(f"compile/{mode}", "compile", lambda fn=fn: fn(s.x, s.context)))
     return out, seconds
+
+
+def profile_ops(fn: Callable[[], object], device: str, calls: int = 5) -> dict:
+    """Where one call's time goes, per torch.profiler: how many aten ops run, their summed
+    self CPU time (dispatch and CPU kernels) and, on CUDA, self CUDA time (the kernels); the
+    ops that cost most. Rust's libtorch calls are recorded like Python's (same thread)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    fn()
+    sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        sync(device)
+    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    cuda_us = lambda e: getattr(e, "self_device_time_total", 0.0)  # noqa: E731
+    top = sorted(events, key=lambda e: cuda_us(e) if device == "cuda" else e.self_cpu_time_total, reverse=True)[:5]
+    return {
+        "aten_ops_per_call": sum(e.count for e in events) / calls,
+        "self_cpu_ms_per_call": sum(e.self_cpu_time_total for e in events) / calls / 1e3,
+        "self_cuda_ms_per_call": sum(cuda_us(e) for e in events) / calls / 1e3 if device == "cuda" else None,
+        "top": [
+            {"op": e.key, "count_per_call": e.count / calls, "ms_per_call": (cuda_us(e) if device == "cuda" else e.self_cpu_time_total) / calls / 1e3}
+            for e in top
+        ],
+    }

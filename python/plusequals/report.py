@@ -208,6 +208,11 @@ def run(device: Optional[str] = None, quick: bool = False, out: str = "report", 
                             row["compile_s"] = compile_seconds[v.name.split("/", 1)[1]]
                         rec.add("results", row)
                         progress.advance(task)
+                if batch == BATCHES[0] and shape in (shapes[0], shapes[-1]):
+                    progress.update(task, description=f"batch {batch} {shape.label}: torch.profiler")
+                    with torch.no_grad():
+                        for name, fn in (("eager/op_plus_x", lambda: s.block(s.x, s.context)), ("rust/forward", lambda: s.rust.forward(s.x, s.context))):
+                            rec.add("profile", {"batch": batch, "shape": shape.label, "variant": name} | bench.profile_ops(fn, device))
                 rec.add(
                     "per_shape",
                     {
@@ -382,6 +387,31 @@ def render(data: dict) -> str:
                     cells.append(f"{fmt(pk) if pk is not None else '-'} MB / {fmt(host) if host is not None else '-'} ms")
                 prow.append([f"`{v}`"] + cells)
             md.append(_table(["variant"] + shapes, prow))
+    if data.get("profile"):
+        md += ["", "## Where the time goes (torch.profiler, per call; the profiler adds overhead of its own)", ""]
+        unit = "CUDA" if cfg["device"] == "cuda" else "CPU"
+        md.append(
+            _table(
+                ["batch", "shape", "variant", "aten ops (incl. nested)", "self CPU ms", "self CUDA ms", f"top ops by self {unit} ms"],
+                [
+                    [
+                        str(p["batch"]),
+                        p["shape"],
+                        f"`{p['variant']}`",
+                        fmt(p["aten_ops_per_call"]),
+                        fmt(p["self_cpu_ms_per_call"]),
+                        "-" if p["self_cuda_ms_per_call"] is None else fmt(p["self_cuda_ms_per_call"]),
+                        ", ".join(f"{t['op'][6:]} {fmt(t['ms_per_call'])}" for t in p["top"][:3]),
+                    ]
+                    for p in data["profile"]
+                ],
+            )
+        )
+        md += [
+            "",
+            "The wall time of a call that the profiler does not attribute to aten ops is the caller's own: "
+            "Python (eager) or the binding (Rust), plus launch latency on CUDA.",
+        ]
     md += ["", "## The boundary", ""]
     md.append(
         _table(

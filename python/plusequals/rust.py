@@ -44,8 +44,8 @@ def _check_tensor(name: str, t: object, optional: bool = False, device: Optional
 
 
 def _check_layout(name: str, t: Tensor) -> None:
-    # Nested tensors make tch's Tensor::size() panic; sparse and mkldnn tensors fail deep inside
-    # libtorch with messages that name no argument.
+    # Rust refuses nested tensors too (rust/block.rs, dense_size); sparse and mkldnn tensors
+    # would fail deep inside libtorch with messages that name no argument.
     if t.is_nested or t.layout != torch.strided:
         kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
         raise ValueError(f"{name} must be a dense (strided) tensor, got {kind}")
