@@ -5,8 +5,9 @@
 # How the extension travels: it is built HERE (Rust toolchain, network) as an abi3 wheel
 # (pyo3 feature abi3-py39: one .so for CPython >= 3.9, so the 3.11 build imports under 3.12).
 # The .so links libtorch by soname; `import plusequals` imports torch first, so the GPU
-# machine's own torch 2.11.0 (+cu130) libraries are the ones used. The pure-Python
-# dependencies that machine lacks (rich, hypothesis, psutil, ...) travel as wheels beside it.
+# machine's own torch 2.11.0 (+cu130) libraries are the ones used. That machine already has
+# rich, hypothesis, psutil, pytest, numpy and matplotlib; diffusers (for the UNet step) and the
+# newer huggingface-hub it needs travel as wheels beside the extension (about 8 MB in all).
 #
 #   scripts/gpu_check.sh build    # here: wheel + dependency wheels into .gpu/ (git-ignored)
 #   scripts/gpu_check.sh run OUT  # there: install from .gpu/ offline, run the CUDA tests,
@@ -20,11 +21,12 @@ build)
   make venv
   rm -rf "$WHEELS" && mkdir -p "$WHEELS"
   VIRTUAL_ENV=$PWD/.venv PATH=$PWD/.venv/bin:$PATH LIBTORCH_USE_PYTORCH=1 \
-    .venv/bin/maturin build --release --out "$WHEELS"
+    .venv/bin/maturin build --release --auditwheel skip --out "$WHEELS"  # libtorch comes from the torch there
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux_2_28_x86_64 -d "$WHEELS" \
-    rich markdown-it-py mdurl pygments hypothesis sortedcontainers attrs psutil
+    diffusers==0.42.1 huggingface-hub==2.4.0 httpx2==2.16.2 httpcore2==2.16.2 truststore \
+    importlib_metadata==10.2.0 lazy-importer
   ls -la "$WHEELS"
   ;;
 run)

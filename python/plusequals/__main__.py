@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--quick", action="store_true", help="small shapes, finishes in about a minute on 2 CPU cores")
     report.add_argument("--out", default="report", help="output directory (default: ./report)")
     report.add_argument("--no-unet", action="store_true", help="skip the full-UNet-step comparison")
+    report.add_argument("--no-compile", action="store_true", help="skip torch.compile (its compile time dominates a GPU run)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(skip_compile_fail=args.skip_compile_fail)
     from .report import run as run_report
 
-    return run_report(device=args.device, quick=args.quick, out=args.out, unet=not args.no_unet)
+    return run_report(device=args.device, quick=args.quick, out=args.out, unet=not args.no_unet, compile=not args.no_compile)
 
 
 if __name__ == "__main__":

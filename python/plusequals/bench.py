@@ -51,6 +51,8 @@ class Variant:
     fn: Callable[[], object]
     reset: Optional[Callable[[], object]] = None  # timed separately and subtracted
     note: str = ""
+    # For peak memory: prepares the inputs (outside the measurement) and returns the call.
+    prepare: Optional[Callable[[], Callable[[], object]]] = None
 
 
 @dataclass
@@ -73,10 +75,13 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def peak_memory_mb(fn: Callable[[], object], device: str) -> Optional[float]:
-    """Peak allocated device memory during one call, above what was allocated before it."""
+def peak_memory_mb(fn: Callable[[], object], device: str, prepare: Optional[Callable[[], Callable[[], object]]] = None) -> Optional[float]:
+    """Peak allocated device memory during one call, above what was allocated before it
+    (``prepare``, if given, makes the call's inputs first, outside the measurement)."""
     if device != "cuda":
         return None
+    if prepare is not None:
+        fn = prepare()
     sync(device)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -196,6 +201,7 @@ def rust_variants(s: Setup, loop_n: int) -> list[Variant]:
             lambda: r.forward_owned(x.clone(), c, donate=True),
             reset=lambda: x.clone(),
             note="a fresh clone donated each call; clone time subtracted",
+            prepare=lambda: (lambda fresh=x.clone(): r.forward_owned(fresh, c, donate=True)),
         ),
         Variant(
             "rust/loop",

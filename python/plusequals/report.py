@@ -128,13 +128,13 @@ def measure(v: bench.Variant, device: str, min_run_time: float, loop_n: int) -> 
         "note": v.note,
     }
     if v.name != "rust/loop":
-        row["peak_mb"] = bench.peak_memory_mb(v.fn, device)
+        row["peak_mb"] = bench.peak_memory_mb(v.fn, device, v.prepare)
         host = bench.host_ms_per_call(v.fn, device)
         row["host_ms"] = None if host is None else host - (reset_ms if device == "cuda" and v.family != "graph" else 0.0)
     return row
 
 
-def run(device: Optional[str] = None, quick: bool = False, out: str = "report", unet: bool = True) -> int:
+def run(device: Optional[str] = None, quick: bool = False, out: str = "report", unet: bool = True, compile: bool = True) -> int:
     console = Console()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -143,9 +143,9 @@ def run(device: Optional[str] = None, quick: bool = False, out: str = "report", 
     dtype = torch.float16 if device == "cuda" else torch.float32
     shapes = bench.QUICK_SHAPES if quick else bench.SD_V1_SHAPES
     context = bench.QUICK_CONTEXT if quick else bench.SD_V1_CONTEXT
-    min_run_time = 0.05 if quick else (0.5 if device == "cuda" else 0.3)
+    min_run_time = 0.05 if quick else (0.25 if device == "cuda" else 0.3)
     loop_n = 10 if quick else 50
-    with_compile = not (quick and device == "cpu")
+    with_compile = compile and not (quick and device == "cpu")
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -167,7 +167,9 @@ def run(device: Optional[str] = None, quick: bool = False, out: str = "report", 
                 "rust_loop_n": loop_n,
                 "torch_compile": with_compile,
                 "seed_claim": {"commit": "Speedup from switch to +=", "before_it_per_s": 1.57, "after_it_per_s": 1.69, "speedup_pct": 7},
-                "torch_compile_skipped_reason": None if with_compile else "--quick on the CPU: inductor's C++ compile alone exceeds the quick budget",
+                "torch_compile_skipped_reason": None
+                if with_compile
+                else ("--no-compile" if not compile else "--quick on the CPU: inductor's C++ compile alone exceeds the quick budget"),
                 "grad_mode": "torch.no_grad()",
                 "model": "SD v1",
                 "shapes_note": "quick shapes: SD v1 widths / 4, tokens / 16" if quick else "SD v1 shapes",
@@ -231,7 +233,7 @@ def run(device: Optional[str] = None, quick: bool = False, out: str = "report", 
         from . import unet_bench
 
         with console.status("full UNet step"):
-            rec.data["unet_step"] = unet_bench.measure(device, dtype, quick, min_run_time, rec.data)
+            rec.data["unet_step"] = unet_bench.measure(device, dtype, quick, min_run_time, rec.data, with_compile)
         rec.flush()
 
     summarize(rec.data)
@@ -340,6 +342,8 @@ def render(data: dict) -> str:
         f"Timer: torch.utils.benchmark blocked_autorange, min run time {fmt(cfg['min_run_time_s'])} s; "
         f"cells are median ms (IQR ms). Run took {fmt(data.get('elapsed_s', 0.0))} s."
     )
+    if not cfg["torch_compile"]:
+        md += ["", f"torch.compile was not measured: {cfg['torch_compile_skipped_reason']}."]
     if cfg["device"] == "cpu":
         md += ["", "> A CPU run (here: " + f"{env['cpu_threads']} threads" + ") times libtorch's CPU kernels; it is no verdict on the GPU, where the seed's question lives."]
     md += ["", "## Environment", ""]

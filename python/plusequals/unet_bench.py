@@ -33,7 +33,9 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def measure(device: str, dtype: torch.dtype, quick: bool, min_run_time: float, data: Optional[dict] = None) -> dict:
+def measure(
+    device: str, dtype: torch.dtype, quick: bool, min_run_time: float, data: Optional[dict] = None, compile: bool = True
+) -> dict:
     try:
         from diffusers import UNet2DConditionModel
         from diffusers.models.attention import BasicTransformerBlock as DiffusersBlock
@@ -75,7 +77,7 @@ def measure(device: str, dtype: torch.dtype, quick: bool, min_run_time: float, d
         finally:
             handle.undo()
 
-        if device == "cuda" or not quick:
+        if compile and (device == "cuda" or not quick):
             torch._dynamo.reset()
             compiled = torch.compile(unet)
             t0 = time.perf_counter()
@@ -86,7 +88,7 @@ def measure(device: str, dtype: torch.dtype, quick: bool, min_run_time: float, d
             c = bench.timeit(lambda: compiled(sample, t, encoder_hidden_states=ehs).sample, min_run_time)
             out["rows"].append({"name": "torch.compile (default)", "median_ms": c.median_ms, "iqr_ms": c.iqr_ms})
         else:
-            out["compile_skipped"] = "--quick on the CPU"
+            out["compile_skipped"] = "--no-compile" if not compile else "--quick on the CPU"
     for r in out["rows"]:
         r["vs_eager"] = r["median_ms"] / eager.median_ms
     return out
