@@ -134,9 +134,13 @@ def measure(v: bench.Variant, device: str, min_run_time: float, loop_n: int) -> 
     return row
 
 
-def run(device: Optional[str] = None, quick: bool = False, out: str = "report", unet: bool = True, compile: bool = True) -> int:
+def run(
+    device: Optional[str] = None, quick: Optional[bool] = None, out: str = "report", unet: bool = True, compile: bool = True
+) -> int:
+    """``quick=None``: quick shapes on the CPU (SD v1 shapes are long on a small CPU), SD v1 shapes on CUDA."""
     console = Console()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    quick = (device == "cpu") if quick is None else quick
     if device == "cuda" and not torch.cuda.is_available():
         console.print("[red]--device cuda: no CUDA device is available[/]")
         return 2
