@@ -286,6 +286,15 @@ def summarize(data: dict) -> None:
                 total = sum(t * blocks[sh] for t, sh in zip(ts, shapes))
                 steps.append({"batch": batch, "variant": v, "blocks_ms_per_step": total, "blocks_only_it_per_s": 1e3 / total})
     data["ratios"], data["per_step"], data["roofline"] = ratios, steps, floors
+    noise = []
+    for batch in data["config"]["batches"]:
+        within = 0
+        for sh in shapes:
+            a, b = _row(data, batch, sh, "eager/iadd"), _row(data, batch, sh, "eager/op_plus_x")
+            if a and b and abs(a["median_ms"] - b["median_ms"]) <= max(a["iqr_ms"], b["iqr_ms"]):
+                within += 1
+        noise.append({"batch": batch, "shapes_within_iqr": within, "shapes": len(shapes)})
+    data["iadd_vs_op_plus_x"] = noise
     data["targets"] = targets(data)
 
 
@@ -467,15 +476,11 @@ def verdicts(data: dict) -> list[str]:
 
     for batch in data["config"]["batches"]:
         sp = span("eager/iadd", batch)
-        if sp:
-            noisy = []
-            for sh in shapes:
-                a, b = _row(data, batch, sh, "eager/iadd"), _row(data, batch, sh, "eager/op_plus_x")
-                if a and b and abs(a["median_ms"] - b["median_ms"]) <= max(a["iqr_ms"], b["iqr_ms"]):
-                    noisy.append(sh)
+        noise = next((n for n in data.get("iadd_vs_op_plus_x", []) if n["batch"] == batch), None)
+        if sp and noise:
             out.append(
                 f"- Is `+=` faster (batch {batch})? `eager/iadd` / `eager/op_plus_x` = {fmt(sp[0])} to {fmt(sp[1])} across shapes; "
-                f"the difference is within one IQR at {len(noisy)} of {len(shapes)} shapes."
+                f"the difference is within one IQR at {noise['shapes_within_iqr']} of {noise['shapes']} shapes."
             )
         rs = span("rust/forward", batch)
         lp = span("rust/loop", batch)
