@@ -26,9 +26,7 @@ impl std::str::FromStr for Attention {
         match s {
             "sdpa" => Ok(Attention::Sdpa),
             "einsum" => Ok(Attention::Einsum),
-            other => Err(Error::config(format!(
-                "attention must be 'sdpa' or 'einsum', got {other:?}"
-            ))),
+            other => Err(Error::config(format!("attention must be 'sdpa' or 'einsum', got {other:?}"))),
         }
     }
 }
@@ -47,12 +45,9 @@ pub struct BlockConfig {
 impl BlockConfig {
     /// `n_heads * d_head`, the attention's inner width (an error if it overflows).
     pub fn inner_dim(&self) -> Result<i64> {
-        self.n_heads.checked_mul(self.d_head).ok_or_else(|| {
-            Error::config(format!(
-                "n_heads * d_head overflows: {} * {}",
-                self.n_heads, self.d_head
-            ))
-        })
+        self.n_heads
+            .checked_mul(self.d_head)
+            .ok_or_else(|| Error::config(format!("n_heads * d_head overflows: {} * {}", self.n_heads, self.d_head)))
     }
 }
 
@@ -67,31 +62,20 @@ pub struct Weights {
 
 impl Weights {
     pub fn new(map: HashMap<String, Tensor>) -> Self {
-        Weights {
-            map,
-            kind: None,
-            device: None,
-        }
+        Weights { map, kind: None, device: None }
     }
 
     /// Takes `prefix.name`, checking its shape and that all weights share one dtype and device.
     pub fn take(&mut self, prefix: &str, name: &str, shape: &[i64]) -> Result<Tensor> {
         let key = format!("{prefix}.{name}");
-        let t = self
-            .map
-            .remove(&key)
-            .ok_or_else(|| Error::MissingWeight(key.clone()))?;
+        let t = self.map.remove(&key).ok_or_else(|| Error::MissingWeight(key.clone()))?;
         let got = dense_size(&t).map_err(|e| Error::WeightType {
             key: key.clone(),
             got: format!("a tensor without a dense shape ({e})"),
             expected: "dense tensors".to_string(),
         })?;
         if got != shape {
-            return Err(Error::WeightShape {
-                key,
-                expected: shape.to_vec(),
-                got,
-            });
+            return Err(Error::WeightShape { key, expected: shape.to_vec(), got });
         }
         let (kind, device) = (t.f_kind()?, t.device());
         if *self.kind.get_or_insert(kind) != kind || *self.device.get_or_insert(device) != device {
@@ -112,17 +96,12 @@ impl Weights {
             return Err(Error::UnexpectedWeight(key));
         }
         match (self.kind, self.device) {
-            (Some(kind), Some(device))
-                if matches!(
-                    kind,
-                    Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double
-                ) =>
-            {
+            (Some(kind), Some(device)) if matches!(kind, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double) => {
                 Ok((kind, device))
             }
-            (Some(kind), Some(_)) => Err(Error::config(format!(
-                "the weights are {kind:?}, not a floating-point dtype"
-            ))),
+            (Some(kind), Some(_)) => {
+                Err(Error::config(format!("the weights are {kind:?}, not a floating-point dtype")))
+            }
             _ => Err(Error::config("the block has no weights".to_string())),
         }
     }
@@ -137,11 +116,7 @@ pub struct Linear {
 impl Linear {
     fn load(w: &mut Weights, prefix: &str, d_in: i64, d_out: i64, bias: bool) -> Result<Self> {
         let weight = w.take(prefix, "weight", &[d_out, d_in])?;
-        let bias = if bias {
-            Some(w.take(prefix, "bias", &[d_out])?)
-        } else {
-            None
-        };
+        let bias = if bias { Some(w.take(prefix, "bias", &[d_out])?) } else { None };
         Ok(Linear { weight, bias })
     }
 
@@ -159,11 +134,7 @@ pub struct LayerNorm {
 
 impl LayerNorm {
     fn load(w: &mut Weights, prefix: &str, dim: i64) -> Result<Self> {
-        Ok(LayerNorm {
-            weight: w.take(prefix, "weight", &[dim])?,
-            bias: w.take(prefix, "bias", &[dim])?,
-            dim,
-        })
+        Ok(LayerNorm { weight: w.take(prefix, "weight", &[dim])?, bias: w.take(prefix, "bias", &[dim])?, dim })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -183,13 +154,7 @@ pub struct CrossAttention {
 }
 
 impl CrossAttention {
-    fn load(
-        w: &mut Weights,
-        prefix: &str,
-        query_dim: i64,
-        context_dim: i64,
-        cfg: &BlockConfig,
-    ) -> Result<Self> {
+    fn load(w: &mut Weights, prefix: &str, query_dim: i64, context_dim: i64, cfg: &BlockConfig) -> Result<Self> {
         let inner_dim = cfg.inner_dim()?;
         Ok(CrossAttention {
             to_q: Linear::load(w, &format!("{prefix}.to_q"), query_dim, inner_dim, false)?,
@@ -214,36 +179,22 @@ impl CrossAttention {
             Attention::Einsum => {
                 // 'b n (h d) -> (b h) n d'
                 let split = |t: &Tensor| -> Result<Tensor> {
-                    Ok(t.f_reshape([b, -1, h, d])?
-                        .f_permute([0, 2, 1, 3])?
-                        .f_reshape([b * h, -1, d])?)
+                    Ok(t.f_reshape([b, -1, h, d])?.f_permute([0, 2, 1, 3])?.f_reshape([b * h, -1, d])?)
                 };
                 let (q, k, v) = (split(&q)?, split(&k)?, split(&v)?);
-                let sim = Tensor::f_einsum("b i d, b j d -> b i j", &[&q, &k], None::<&[i64]>)?
-                    .f_mul_scalar(self.scale)?;
+                let sim =
+                    Tensor::f_einsum("b i d, b j d -> b i j", &[&q, &k], None::<&[i64]>)?.f_mul_scalar(self.scale)?;
                 let attn = sim.f_softmax(-1, None::<Kind>)?;
                 let out = Tensor::f_einsum("b i j, b j d -> b i d", &[&attn, &v], None::<&[i64]>)?;
                 // '(b h) n d -> b n (h d)'
-                out.f_reshape([b, h, n, d])?
-                    .f_permute([0, 2, 1, 3])?
-                    .f_reshape([b, n, h * d])?
+                out.f_reshape([b, h, n, d])?.f_permute([0, 2, 1, 3])?.f_reshape([b, n, h * d])?
             }
             Attention::Sdpa => {
                 // 'b n (h d) -> b h n d'
-                let split = |t: &Tensor| -> Result<Tensor> {
-                    Ok(t.f_reshape([b, -1, h, d])?.f_transpose(1, 2)?)
-                };
+                let split = |t: &Tensor| -> Result<Tensor> { Ok(t.f_reshape([b, -1, h, d])?.f_transpose(1, 2)?) };
                 let (q, k, v) = (split(&q)?, split(&k)?, split(&v)?);
-                let out = Tensor::f_scaled_dot_product_attention(
-                    &q,
-                    &k,
-                    &v,
-                    None::<Tensor>,
-                    0.0,
-                    false,
-                    self.scale,
-                    false,
-                )?;
+                let out =
+                    Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, false, self.scale, false)?;
                 out.f_transpose(1, 2)?.f_reshape([b, n, h * d])?
             }
         };
@@ -278,27 +229,16 @@ pub struct FeedForward {
 
 impl FeedForward {
     fn load(w: &mut Weights, prefix: &str, dim: i64, glu: bool) -> Result<Self> {
-        let inner_dim = dim
-            .checked_mul(8)
-            .map(|_| 4 * dim)
-            .ok_or_else(|| Error::config(format!("dim {dim} overflows")))?;
+        let inner_dim =
+            dim.checked_mul(8).map(|_| 4 * dim).ok_or_else(|| Error::config(format!("dim {dim} overflows")))?;
         let net_0 = if glu {
             ProjectIn::GeGlu(GeGlu {
                 proj: Linear::load(w, &format!("{prefix}.net.0.proj"), dim, inner_dim * 2, true)?,
             })
         } else {
-            ProjectIn::Gelu(Linear::load(
-                w,
-                &format!("{prefix}.net.0.0"),
-                dim,
-                inner_dim,
-                true,
-            )?)
+            ProjectIn::Gelu(Linear::load(w, &format!("{prefix}.net.0.0"), dim, inner_dim, true)?)
         };
-        Ok(FeedForward {
-            net_0,
-            net_2: Linear::load(w, &format!("{prefix}.net.2"), inner_dim, dim, true)?,
-        })
+        Ok(FeedForward { net_0, net_2: Linear::load(w, &format!("{prefix}.net.2"), inner_dim, dim, true)? })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -328,14 +268,8 @@ pub struct BasicTransformerBlock {
 impl BasicTransformerBlock {
     /// Builds the block from a state_dict with CompVis keys; every key must be used exactly once.
     pub fn from_weights(weights: HashMap<String, Tensor>, cfg: &BlockConfig) -> Result<Self> {
-        if cfg.dim <= 0
-            || cfg.n_heads <= 0
-            || cfg.d_head <= 0
-            || cfg.context_dim.is_some_and(|c| c <= 0)
-        {
-            return Err(Error::config(format!(
-                "dimensions must be positive: {cfg:?}"
-            )));
+        if cfg.dim <= 0 || cfg.n_heads <= 0 || cfg.d_head <= 0 || cfg.context_dim.is_some_and(|c| c <= 0) {
+            return Err(Error::config(format!("dimensions must be positive: {cfg:?}")));
         }
         cfg.inner_dim()?;
         let (dim, context_dim) = (cfg.dim, cfg.context_dim.unwrap_or(cfg.dim));
@@ -348,43 +282,21 @@ impl BasicTransformerBlock {
         let norm3 = LayerNorm::load(w, "norm3", dim)?;
         let w = std::mem::replace(w, Weights::new(HashMap::new()));
         let (kind, device) = w.finish()?;
-        Ok(BasicTransformerBlock {
-            attn1,
-            ff,
-            attn2,
-            norm1,
-            norm2,
-            norm3,
-            dim,
-            context_dim,
-            kind,
-            device,
-        })
+        Ok(BasicTransformerBlock { attn1, ff, attn2, norm1, norm2, norm3, dim, context_dim, kind, device })
     }
 
     /// `op_plus_x`, out of place: `x` is only borrowed, so it cannot be mutated.
     pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
         self.check_inputs(x, context)?;
-        let x = self
-            .attn1
-            .forward(&self.norm1.forward(x)?, None)?
-            .f_add(x)?;
-        let x = self
-            .attn2
-            .forward(&self.norm2.forward(&x)?, context)?
-            .f_add(&x)?;
+        let x = self.attn1.forward(&self.norm1.forward(x)?, None)?.f_add(x)?;
+        let x = self.attn2.forward(&self.norm2.forward(&x)?, context)?.f_add(&x)?;
         let x = self.ff.forward(&self.norm3.forward(&x)?)?.f_add(&x)?;
         Ok(x)
     }
 
     /// `iadd` made safe: the caller gave `x` up (it is moved in), and the `&NoGrad` proof
     /// says autograd is not recording, so no saved activation can be overwritten.
-    pub fn forward_owned(
-        &self,
-        mut x: Tensor,
-        context: Option<&Tensor>,
-        _grad_off: &NoGrad,
-    ) -> Result<Tensor> {
+    pub fn forward_owned(&self, mut x: Tensor, context: Option<&Tensor>, _grad_off: &NoGrad) -> Result<Tensor> {
         self.check_inputs(&x, context)?;
         x.add_in_place(&self.attn1.forward(&self.norm1.forward(&x)?, None)?)?;
         x.add_in_place(&self.attn2.forward(&self.norm2.forward(&x)?, context)?)?;
@@ -399,56 +311,36 @@ impl BasicTransformerBlock {
             self.check_input("context", context, self.context_dim)?;
             let (cb, xb) = (context.size()[0], x.size()[0]); // both dense: checked above
             if cb != xb {
-                return Err(Error::input(
-                    "context",
-                    format!("batch {cb} does not match x's batch {xb}"),
-                ));
+                return Err(Error::input("context", format!("batch {cb} does not match x's batch {xb}")));
             }
         } else if self.context_dim != self.dim {
             return Err(Error::input(
                 "context",
-                format!(
-                    "is required: the block's cross-attention expects width {}",
-                    self.context_dim
-                ),
+                format!("is required: the block's cross-attention expects width {}", self.context_dim),
             ));
         }
         Ok(())
     }
 
     fn check_input(&self, arg: &'static str, t: &Tensor, width: i64) -> Result<()> {
-        let size =
-            dense_size(t).map_err(|e| Error::input(arg, format!("has no dense shape ({e})")))?;
+        let size = dense_size(t).map_err(|e| Error::input(arg, format!("has no dense shape ({e})")))?;
         if size.len() != 3 || size[2] != width {
-            return Err(Error::input(
-                arg,
-                format!("expected shape (batch, tokens, {width}), got {size:?}"),
-            ));
+            return Err(Error::input(arg, format!("expected shape (batch, tokens, {width}), got {size:?}")));
         }
         if size[0] == 0 || size[1] == 0 {
-            return Err(Error::input(
-                arg,
-                format!("is empty (shape {size:?}): attention needs a batch and tokens"),
-            ));
+            return Err(Error::input(arg, format!("is empty (shape {size:?}): attention needs a batch and tokens")));
         }
         let kind = t.f_kind()?;
         if kind != self.kind {
             return Err(Error::input(
                 arg,
-                format!(
-                    "dtype {kind:?} does not match the block's weights ({:?})",
-                    self.kind
-                ),
+                format!("dtype {kind:?} does not match the block's weights ({:?})", self.kind),
             ));
         }
         if t.device() != self.device {
             return Err(Error::input(
                 arg,
-                format!(
-                    "is on {:?} but the block's weights are on {:?}",
-                    t.device(),
-                    self.device
-                ),
+                format!("is on {:?} but the block's weights are on {:?}", t.device(), self.device),
             ));
         }
         Ok(())

@@ -21,10 +21,7 @@ fn main() {
         .ok()
         .and_then(|o| String::from_utf8(o.stdout).ok())
         .unwrap_or_default();
-    println!(
-        "cargo:rustc-env=PLUSEQUALS_RUSTC_VERSION={}",
-        version.trim()
-    );
+    println!("cargo:rustc-env=PLUSEQUALS_RUSTC_VERSION={}", version.trim());
     println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
     println!("cargo:rustc-link-arg=-ltorch");
 }

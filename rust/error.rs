@@ -13,17 +13,9 @@ pub enum Error {
     #[error("unexpected weight {0:?}")]
     UnexpectedWeight(String),
     #[error("weight {key:?} has shape {got:?}, expected {expected:?}")]
-    WeightShape {
-        key: String,
-        expected: Vec<i64>,
-        got: Vec<i64>,
-    },
+    WeightShape { key: String, expected: Vec<i64>, got: Vec<i64> },
     #[error("weight {key:?} is {got}, but the other weights are {expected}")]
-    WeightType {
-        key: String,
-        got: String,
-        expected: String,
-    },
+    WeightType { key: String, got: String, expected: String },
     /// Constructor arguments that cannot describe a block.
     #[error("{0}")]
     Config(String),

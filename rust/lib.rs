@@ -80,24 +80,15 @@ mod glue {
             };
             let weights = weights.into_iter().map(|(k, v)| (k, v.0)).collect();
             let block = BasicTransformerBlock::from_weights(weights, &cfg).map_err(to_py)?;
-            Ok(PyBlock {
-                block: SharedBlock(block),
-            })
+            Ok(PyBlock { block: SharedBlock(block) })
         }
 
         /// `op_plus_x` out of place; the GIL is released while libtorch computes.
         #[pyo3(signature = (x, context=None))]
-        fn forward(
-            &self,
-            py: Python<'_>,
-            x: PyTensor,
-            context: Option<PyTensor>,
-        ) -> PyResult<PyTensor> {
+        fn forward(&self, py: Python<'_>, x: PyTensor, context: Option<PyTensor>) -> PyResult<PyTensor> {
             let (x, context) = (x.0, context.map(|c| c.0));
             let block = &self.block;
-            py.allow_threads(move || block.get().forward(&x, context.as_ref()))
-                .map(PyTensor)
-                .map_err(to_py)
+            py.allow_threads(move || block.get().forward(&x, context.as_ref())).map(PyTensor).map_err(to_py)
         }
 
         /// In-place residuals with grad off. `donate=false` works on a copy of `x`;
@@ -159,9 +150,7 @@ mod glue {
                     y = if owned {
                         let mut fresh = y; // reuse the last output's buffer as the next input
                         fresh.f_copy_(&x)?;
-                        block
-                            .get()
-                            .forward_owned(fresh, context.as_ref(), &no_grad)?
+                        block.get().forward_owned(fresh, context.as_ref(), &no_grad)?
                     } else {
                         block.get().forward(&x, context.as_ref())?
                     };

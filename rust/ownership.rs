@@ -33,10 +33,7 @@ impl NoGrad {
     /// Turns grad mode off for this thread until the value is dropped (then restores it).
     #[allow(clippy::new_without_default)]
     pub fn new() -> Self {
-        NoGrad {
-            _guard: tch::no_grad_guard(),
-            _not_send: PhantomData,
-        }
+        NoGrad { _guard: tch::no_grad_guard(), _not_send: PhantomData }
     }
 }
 
@@ -74,10 +71,7 @@ fn overlaps(a: &Tensor, b: &Tensor) -> Result<bool> {
             return Ok((start, start));
         }
         let last: i64 = size.iter().zip(&stride).map(|(&n, &s)| (n - 1) * s).sum();
-        Ok((
-            start,
-            start + (last as usize + 1) * t.f_kind()?.elt_size_in_bytes(),
-        ))
+        Ok((start, start + (last as usize + 1) * t.f_kind()?.elt_size_in_bytes()))
     };
     let ((a0, a1), (b0, b1)) = (span(a)?, span(b)?);
     Ok(a0 < b1 && b0 < a1)

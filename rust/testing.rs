@@ -9,14 +9,7 @@ use crate::error::Result;
 
 /// A 32-wide block, 4 heads x 8, cross-attention on width-24 context, SDPA.
 pub fn small_config(attention: Attention) -> BlockConfig {
-    BlockConfig {
-        dim: 32,
-        n_heads: 4,
-        d_head: 8,
-        context_dim: Some(24),
-        gated_ff: true,
-        attention,
-    }
+    BlockConfig { dim: 32, n_heads: 4, d_head: 8, context_dim: Some(24), gated_ff: true, attention }
 }
 
 /// Random weights under every CompVis key of a [`small_config`] block.
@@ -53,8 +46,5 @@ pub fn small_block() -> Result<BasicTransformerBlock> {
 /// `(x, context)` for a [`small_block`]: batch 2, 16 tokens, 7 context tokens.
 pub fn small_inputs() -> (Tensor, Tensor) {
     tch::manual_seed(1);
-    (
-        Tensor::randn([2, 16, 32], (Kind::Float, Device::Cpu)),
-        Tensor::randn([2, 7, 24], (Kind::Float, Device::Cpu)),
-    )
+    (Tensor::randn([2, 16, 32], (Kind::Float, Device::Cpu)), Tensor::randn([2, 7, 24], (Kind::Float, Device::Cpu)))
 }

@@ -33,14 +33,7 @@ fn every_snapshot_states_its_error_code() {
     for (case, code) in cases {
         let stderr = std::fs::read_to_string(format!("tests/ui/{case}.stderr"))
             .unwrap_or_else(|e| panic!("tests/ui/{case}.stderr: {e}"));
-        let first = stderr
-            .lines()
-            .find(|l| l.starts_with("error"))
-            .unwrap_or_default();
-        assert_eq!(
-            first.get(..12),
-            Some(format!("error[{code}]").as_str()),
-            "{case}: {first}"
-        );
+        let first = stderr.lines().find(|l| l.starts_with("error")).unwrap_or_default();
+        assert_eq!(first.get(..12), Some(format!("error[{code}]").as_str()), "{case}: {first}");
     }
 }

@@ -36,10 +36,8 @@ fn forward_owned_equals_forward_and_leaves_borrowed_input_alone() -> plusequals:
 #[test]
 fn einsum_and_sdpa_agree() -> plusequals::Result<()> {
     let (x, c) = inputs();
-    let a = BasicTransformerBlock::from_weights(weights(0), &config(Attention::Sdpa))?
-        .forward(&x, Some(&c))?;
-    let b = BasicTransformerBlock::from_weights(weights(0), &config(Attention::Einsum))?
-        .forward(&x, Some(&c))?;
+    let a = BasicTransformerBlock::from_weights(weights(0), &config(Attention::Sdpa))?.forward(&x, Some(&c))?;
+    let b = BasicTransformerBlock::from_weights(weights(0), &config(Attention::Einsum))?.forward(&x, Some(&c))?;
     assert!(a.allclose(&b, 1e-5, 1e-5, false));
     Ok(())
 }
@@ -54,28 +52,19 @@ fn bad_weights_are_errors_naming_the_key() {
     );
 
     let mut w = weights(0);
-    w.insert(
-        "attn3.to_q.weight".into(),
-        Tensor::zeros([1], (Kind::Float, Device::Cpu)),
-    );
+    w.insert("attn3.to_q.weight".into(), Tensor::zeros([1], (Kind::Float, Device::Cpu)));
     assert!(
         matches!(BasicTransformerBlock::from_weights(w, &cfg), Err(Error::UnexpectedWeight(k)) if k == "attn3.to_q.weight")
     );
 
     let mut w = weights(0);
-    w.insert(
-        "norm2.bias".into(),
-        Tensor::zeros([31], (Kind::Float, Device::Cpu)),
-    );
+    w.insert("norm2.bias".into(), Tensor::zeros([31], (Kind::Float, Device::Cpu)));
     assert!(
         matches!(BasicTransformerBlock::from_weights(w, &cfg), Err(Error::WeightShape { key, .. }) if key == "norm2.bias")
     );
 
     let mut w = weights(0);
-    w.insert(
-        "norm2.bias".into(),
-        Tensor::zeros([32], (Kind::Double, Device::Cpu)),
-    );
+    w.insert("norm2.bias".into(), Tensor::zeros([32], (Kind::Double, Device::Cpu)));
     assert!(
         matches!(BasicTransformerBlock::from_weights(w, &cfg), Err(Error::WeightType { key, .. }) if key == "norm2.bias")
     );
@@ -87,32 +76,17 @@ fn bad_inputs_are_errors_not_panics() -> plusequals::Result<()> {
     let (x, c) = inputs();
     let cases: Vec<(Tensor, Option<Tensor>, &str)> = vec![
         (x.view([32, 32]), Some(c.copy()), "x expected shape"),
-        (
-            Tensor::zeros([2, 16, 31], (Kind::Float, Device::Cpu)),
-            Some(c.copy()),
-            "x expected shape",
-        ),
+        (Tensor::zeros([2, 16, 31], (Kind::Float, Device::Cpu)), Some(c.copy()), "x expected shape"),
         (x.to_kind(Kind::Double), Some(c.copy()), "x dtype"),
         (x.copy(), Some(c.narrow(0, 0, 1)), "context batch"),
-        (
-            x.copy(),
-            Some(Tensor::zeros([2, 7, 23], (Kind::Float, Device::Cpu))),
-            "context expected shape",
-        ),
+        (x.copy(), Some(Tensor::zeros([2, 7, 23], (Kind::Float, Device::Cpu))), "context expected shape"),
         (x.copy(), None, "context is required"),
-        (
-            Tensor::zeros([2, 0, 32], (Kind::Float, Device::Cpu)),
-            Some(c.copy()),
-            "x is empty",
-        ),
+        (Tensor::zeros([2, 0, 32], (Kind::Float, Device::Cpu)), Some(c.copy()), "x is empty"),
     ];
     for (x, c, want) in cases {
         let err = block.forward(&x, c.as_ref()).expect_err(want).to_string();
         let words: Vec<_> = want.split(' ').collect();
-        assert!(
-            words.iter().all(|w| err.contains(w)),
-            "{err:?} should mention {want:?}"
-        );
+        assert!(words.iter().all(|w| err.contains(w)), "{err:?} should mention {want:?}");
     }
     Ok(())
 }

@@ -20,15 +20,8 @@ fn shallow_clone_aliases_storage_behind_the_borrow_checker() -> Result<()> {
     let alias = x.shallow_clone(); // compiles: rustc sees two owned values
     let no_grad = NoGrad::new();
     let y = block.forward_owned(x, Some(&context), &no_grad)?;
-    assert_eq!(
-        alias.data_ptr(),
-        y.data_ptr(),
-        "the alias and the output share one buffer"
-    );
-    assert!(
-        !alias.equal(&before),
-        "the mutation leaked through the alias"
-    );
+    assert_eq!(alias.data_ptr(), y.data_ptr(), "the alias and the output share one buffer");
+    assert!(!alias.equal(&before), "the mutation leaked through the alias");
     assert!(alias.equal(&y), "the alias now reads the block's output");
     Ok(())
 }
