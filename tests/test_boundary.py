@@ -1193,20 +1193,19 @@ def test_no_leak_cuda_memory_returns_to_baseline():
         except ValueError:
             pass
 
+    def settled_allocation():
+        xg.grad = None
+        block.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        gc.collect()
+        return torch.cuda.memory_allocated()
+
     for _ in range(50):
         calls()
-    xg.grad = None
-    block.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    gc.collect()
-    baseline = torch.cuda.memory_allocated()
+    baseline = settled_allocation()
     for _ in range(2000):
         calls()
-    xg.grad = None
-    block.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    gc.collect()
-    assert torch.cuda.memory_allocated() == baseline
+    assert settled_allocation() == baseline
 
 
 # ============================================================================ 5. shared weights
