@@ -34,9 +34,9 @@ test-python: build-dev
 	$(PY) -m pytest -q
 
 test-rust: venv
-	cargo test
+	cargo test --tests
 
-test: test-python test-rust
+test: test-rust test-python
 
 report: build-dev
 	$(PY) -m plusequals report $(REPORT_ARGS)
