@@ -361,6 +361,6 @@ impl AddInPlace for Tensor {
 
 /// The shape, or an error for tensors that have none (nested tensors): tch's `size()` panics
 /// on those, so the shape is asked for through a libtorch op that reports the error instead.
-fn dense_size(t: &Tensor) -> std::result::Result<Vec<i64>, tch::TchError> {
+pub(crate) fn dense_size(t: &Tensor) -> std::result::Result<Vec<i64>, tch::TchError> {
     Vec::<i64>::try_from(&t.f_internal_shape_as_tensor()?)
 }

@@ -107,7 +107,6 @@ mod glue {
             py.allow_threads(move || -> Result<Tensor> {
                 let no_grad = NoGrad::new();
                 if donate {
-                    block.get().check_inputs(&x, context.as_ref())?;
                     check_donatable(&x, context.as_ref())?;
                 }
                 let x = if donate { x } else { copy(&x)? };

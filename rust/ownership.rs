@@ -18,6 +18,7 @@ use std::marker::PhantomData;
 
 use tch::Tensor;
 
+use crate::block::dense_size;
 use crate::error::{Error, Result};
 
 /// Grad mode is off while a `NoGrad` lives; `&NoGrad` is the proof the in-place forward needs.
@@ -37,14 +38,14 @@ impl NoGrad {
     }
 }
 
-/// Call after `BasicTransformerBlock::check_inputs` (which rejects tensors without a dense
-/// shape). Checks that `x` can be written in place: no two of its elements share memory (a stride-0
+/// Checks that `x` can be written in place: no two of its elements share memory (a stride-0
 /// dimension), and `context`, which is read after the writes start, does not overlap it.
 ///
 /// This is the run-time half of a move for tensors that arrive from outside Rust (Python), where
 /// the borrow checker cannot see other handles on the same storage.
 pub fn check_donatable(x: &Tensor, context: Option<&Tensor>) -> Result<()> {
-    let (size, stride) = (x.size(), x.stride());
+    let size = dense_size(x).map_err(|e| Error::input("x", format!("has no dense shape ({e})")))?;
+    let stride = x.stride(); // dense: safe
     if size.iter().zip(&stride).any(|(&n, &s)| n > 1 && s == 0) {
         return Err(Error::input(
             "x",
@@ -52,7 +53,8 @@ pub fn check_donatable(x: &Tensor, context: Option<&Tensor>) -> Result<()> {
         ));
     }
     if let Some(c) = context {
-        if overlaps(x, c)? {
+        let overlap = overlaps(x, c).map_err(|e| Error::input("context", format!("has no dense shape ({e})")))?;
+        if overlap {
             return Err(Error::input(
                 "context",
                 "overlaps the donated x, which the in-place forward overwrites".into(),
@@ -66,7 +68,8 @@ pub fn check_donatable(x: &Tensor, context: Option<&Tensor>) -> Result<()> {
 fn overlaps(a: &Tensor, b: &Tensor) -> Result<bool> {
     let span = |t: &Tensor| -> Result<(usize, usize)> {
         let start = t.data_ptr() as usize;
-        let (size, stride) = (t.size(), t.stride());
+        let size = dense_size(t)?;
+        let stride = t.stride(); // dense: safe
         if size.contains(&0) {
             return Ok((start, start));
         }

@@ -8,6 +8,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))  # compvis_reference
 
 from plusequals import BasicTransformerBlock, RustBlock  # noqa: E402
+from plusequals.blocks import randomize_  # noqa: E402,F401  (tests import it from here)
 
 # SD v1 block shapes (tokens, dim, heads, head dim; context 77 x 768) scaled down for 2 CPU cores:
 # widths / 4, tokens / 16, same head count, same tokens-per-width ordering.
@@ -17,19 +18,6 @@ BATCH = 2
 
 CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-
-
-def randomize_(module: nn.Module, seed: int = 0) -> nn.Module:
-    """Non-trivial weights everywhere (LayerNorm affine included), deterministic per seed."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if name.startswith("norm"):
-                p.copy_(1.0 + 0.1 * r if name.endswith("weight") else 0.1 * r)
-            else:
-                p.copy_(r * p.shape[-1] ** -0.5)
-    return module
 
 
 def make_block(dim=80, heads=8, d_head=10, context_dim=CONTEXT[1], seed=0, **kw) -> BasicTransformerBlock:

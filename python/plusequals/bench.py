@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils import benchmark
 
-from .blocks import STRATEGIES, BasicTransformerBlock
+from .blocks import STRATEGIES, BasicTransformerBlock, randomize_
 from .rust import RustBlock
 
 
@@ -108,13 +108,8 @@ def host_ms_per_call(fn: Callable[[], object], device: str, calls: int = 50) -> 
 
 def random_block(shape: Shape, context_dim: int, device: str, dtype: torch.dtype, seed: int = 0) -> BasicTransformerBlock:
     """A block with non-trivial random weights (LayerNorm affine too)."""
-    g = torch.Generator().manual_seed(seed)
     block = BasicTransformerBlock(shape.dim, shape.heads, shape.d_head, context_dim=context_dim)
-    with torch.no_grad():
-        for name, p in block.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            p.copy_((1 + 0.1 * r if name.endswith("weight") else 0.1 * r) if name.startswith("norm") else r * p.shape[-1] ** -0.5)
-    return block.to(device, dtype).eval()
+    return randomize_(block, seed).to(device, dtype).eval()
 
 
 def block_flops(shape: Shape, batch: int, ctx_tokens: int, ctx_dim: int) -> float:

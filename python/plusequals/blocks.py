@@ -287,6 +287,20 @@ class BasicTransformerBlock(nn.Module):
         return out
 
 
+def randomize_(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Non-trivial random weights everywhere (LayerNorm affine included), deterministic per seed:
+    norms near identity, linear weights scaled by fan-in."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if name.startswith("norm"):
+                p.copy_(1.0 + 0.1 * r if name.endswith("weight") else 0.1 * r)
+            else:
+                p.copy_(r * p.shape[-1] ** -0.5)
+    return module
+
+
 def _check_strategy(name: str) -> str:
     if name not in STRATEGIES:
         raise ValueError(f"residual must be one of {sorted(STRATEGIES)}, got {name!r}")
