@@ -10,7 +10,7 @@ fn config(attention: Attention) -> BlockConfig {
     small_config(attention)
 }
 
-fn weights(seed: i64) -> HashMap<String, Tensor> {
+fn weights(seed: u64) -> HashMap<String, Tensor> {
     small_weights(seed)
 }
 
@@ -89,4 +89,48 @@ fn bad_inputs_are_errors_not_panics() -> plusequals::Result<()> {
         assert!(words.iter().all(|w| err.contains(w)), "{err:?} should mention {want:?}");
     }
     Ok(())
+}
+
+/// The guard against issue 9 coming back: test data must not depend on libtorch's global RNG,
+/// which other test threads reseed and draw from. Two threads build the same block while a third
+/// keeps reseeding and drawing; the weights and outputs must be bitwise equal.
+#[test]
+fn test_data_is_bitwise_equal_across_threads_while_the_global_rng_is_in_use() {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let noise = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut seed = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                tch::manual_seed(seed);
+                let _ = Tensor::randn([64], (Kind::Float, Device::Cpu));
+                seed += 1;
+            }
+        })
+    };
+    let build = || {
+        std::thread::spawn(|| {
+            (0..50)
+                .map(|_| {
+                    let w = weights(0);
+                    let (x, c) = inputs();
+                    let y = BasicTransformerBlock::from_weights(w, &config(Attention::Sdpa))
+                        .and_then(|b| b.forward(&x, Some(&c)))
+                        .expect("the small block runs");
+                    (weights(0), y)
+                })
+                .collect::<Vec<_>>()
+        })
+    };
+    let (a, b) = (build(), build());
+    let (a, b) = (a.join().unwrap(), b.join().unwrap());
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    noise.join().unwrap();
+    let reference = weights(0);
+    for ((wa, ya), (wb, yb)) in a.iter().zip(&b) {
+        assert!(ya.equal(yb) && ya.equal(&a[0].1), "outputs differ between threads");
+        for (key, w) in &reference {
+            assert!(wa[key].equal(w) && wb[key].equal(w), "{key} differs between threads");
+        }
+    }
 }
