@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
-use crate::ownership::NoGrad;
+use crate::ownership::{check_exclusive, check_owned, dense_size, NoGrad};
 
 /// Which attention kernel `CrossAttention` uses (`attention=` in the PyTorch block).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,9 +69,9 @@ impl Weights {
     pub fn take(&mut self, prefix: &str, name: &str, shape: &[i64]) -> Result<Tensor> {
         let key = format!("{prefix}.{name}");
         let t = self.map.remove(&key).ok_or_else(|| Error::MissingWeight(key.clone()))?;
-        let got = dense_size(&t).map_err(|e| Error::WeightType {
+        let got = dense_size(&t).ok_or_else(|| Error::WeightType {
             key: key.clone(),
-            got: format!("a tensor without a dense shape ({e})"),
+            got: "a tensor without a dense shape (nested, sparse, ...)".to_string(),
             expected: "dense tensors".to_string(),
         })?;
         if got != shape {
@@ -295,9 +295,12 @@ impl BasicTransformerBlock {
     }
 
     /// `iadd` made safe: the caller gave `x` up (it is moved in), and the `&NoGrad` proof
-    /// says autograd is not recording, so no saved activation can be overwritten.
+    /// says a no-grad guard is alive. Before the first write, `check_owned` asks libtorch what
+    /// rustc cannot see: that no other handle, view or owner can read `x`'s memory, that grad
+    /// mode really is off, and that `context` does not overlap `x`. Otherwise `Err`, `x` untouched.
     pub fn forward_owned(&self, mut x: Tensor, context: Option<&Tensor>, _grad_off: &NoGrad) -> Result<Tensor> {
         self.check_inputs(&x, context)?;
+        check_owned(&x, context)?;
         x.add_in_place(&self.attn1.forward(&self.norm1.forward(&x)?, None)?)?;
         x.add_in_place(&self.attn2.forward(&self.norm2.forward(&x)?, context)?)?;
         x.add_in_place(&self.ff.forward(&self.norm3.forward(&x)?)?)?;
@@ -323,7 +326,7 @@ impl BasicTransformerBlock {
     }
 
     fn check_input(&self, arg: &'static str, t: &Tensor, width: i64) -> Result<()> {
-        let size = dense_size(t).map_err(|e| Error::input(arg, format!("has no dense shape ({e})")))?;
+        let size = dense_size(t).ok_or_else(|| Error::input(arg, "has no dense shape (nested, sparse, ...)".into()))?;
         if size.len() != 3 || size[2] != width {
             return Err(Error::input(arg, format!("expected shape (batch, tokens, {width}), got {size:?}")));
         }
@@ -348,19 +351,18 @@ impl BasicTransformerBlock {
 }
 
 /// `x += y` without tch's panicking `AddAssign`: libtorch's `add_`, its error returned.
+///
+/// `&mut self` is what rustc checks; before the write, libtorch is asked what it cannot see
+/// (`ownership::check_exclusive`): another handle on `self` (a tensor autograd saved for
+/// backward, a `shallow_clone`), a view, foreign memory. Then `Err`, and nothing is written.
 pub trait AddInPlace {
     fn add_in_place(&mut self, y: &Tensor) -> Result<()>;
 }
 
 impl AddInPlace for Tensor {
     fn add_in_place(&mut self, y: &Tensor) -> Result<()> {
-        let _same_storage_as_self = self.f_add_(y)?;
+        check_exclusive(self, 1).map_err(|why| Error::NotOwned { arg: "x", why })?;
+        let _same_tensor_as_self = self.f_add_(y)?; // tch's second handle, dropped at once
         Ok(())
     }
-}
-
-/// The shape, or an error for tensors that have none (nested tensors): tch's `size()` panics
-/// on those, so the shape is asked for through a libtorch op that reports the error instead.
-pub(crate) fn dense_size(t: &Tensor) -> std::result::Result<Vec<i64>, tch::TchError> {
-    Vec::<i64>::try_from(&t.f_internal_shape_as_tensor()?)
 }

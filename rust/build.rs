@@ -6,13 +6,29 @@
 //!   dependency even though no Rust symbol references it directly. Without it the CUDA kernels
 //!   are never registered when Rust calls libtorch, and CUDA ops fail with "Could not run ...
 //!   with arguments from the 'CUDA' backend" (tch-rs issues #923, #177, #1015).
+//!
+//! It also compiles `cpp/` (the `cc` crate) against the pip torch's own headers, the ones
+//! torch-sys compiles against: `tensor_facts.cpp`, the libtorch bookkeeping that
+//! `rust/ownership.rs` reads.
+use std::path::Path;
+
 fn main() {
     println!("cargo:rerun-if-changed=rust/build.rs");
-    if let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
-        println!("cargo:rustc-link-arg=-Wl,-rpath={lib_dir}");
-        // For tests that run binaries built outside this crate (trybuild's twins).
-        println!("cargo:rustc-env=PLUSEQUALS_LIBTORCH_LIB={lib_dir}");
-    }
+    println!("cargo:rerun-if-changed=cpp");
+    let lib_dir = std::env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys sets DEP_TCH_LIBTORCH_LIB");
+    println!("cargo:rustc-link-arg=-Wl,-rpath={lib_dir}");
+    // For tests that run binaries built outside this crate (trybuild's twins).
+    println!("cargo:rustc-env=PLUSEQUALS_LIBTORCH_LIB={lib_dir}");
+    // pip torch: torch/lib holds the libraries, torch/include the headers.
+    let include = Path::new(&lib_dir).join("../include");
+    cc::Build::new()
+        .cpp(true)
+        .file("cpp/tensor_facts.cpp")
+        .include(&include)
+        .flag("-std=c++17")
+        .define("_GLIBCXX_USE_CXX11_ABI", "1")
+        .warnings(false)
+        .compile("plusequals_cpp");
     // The compiler's version, for the benchmark report's environment (the GPU machine has none).
     let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
     let version = std::process::Command::new(rustc)

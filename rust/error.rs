@@ -2,6 +2,8 @@
 
 use tch::TchError;
 
+use crate::ownership::Alias;
+
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +24,10 @@ pub enum Error {
     /// An argument of `forward`/`forward_owned` the block cannot take; `arg` names it.
     #[error("{arg} {msg}")]
     Input { arg: &'static str, msg: String },
+    /// A tensor the in-place forward would write into, or read while writing, is not the
+    /// caller's alone to give (see `ownership::check_owned`); nothing was written.
+    #[error("{arg} refused for an in-place write: it {why}")]
+    NotOwned { arg: &'static str, why: Alias },
     /// An error raised inside libtorch.
     #[error(transparent)]
     Torch(#[from] TchError),

@@ -1,28 +1,26 @@
-//! The honest limit of the borrow checker: `Tensor::shallow_clone` makes a second owned handle
-//! on the same storage, and rustc sees two independent values. Moving one of them into the
-//! in-place forward then mutates what the other one reads: the seed's caller-aliasing bug,
-//! compiled without complaint.
-//!
-//! Why: a `tch::Tensor` is a pointer to a reference-counted C++ `at::Tensor`; ownership of the
-//! Rust handle says nothing about who else holds the storage (another handle, a view, a
-//! Python reference). The crate's public API never calls `shallow_clone` and never returns a
-//! second handle on an input; the Python boundary, where every tensor is such a shared handle,
-//! copies unless the caller donates (and then invalidates the Python handle at run time).
+//! `Tensor::shallow_clone` makes a second owned handle on the same `at::Tensor`, and rustc sees
+//! two independent values. Moving one of them into the in-place forward used to mutate what the
+//! other reads: the seed's caller-aliasing bug, compiled without complaint. rustc still cannot
+//! see it; libtorch can (two handles on one `TensorImpl`), and `forward_owned` now asks it
+//! before the first write. `tests/alias_routes.rs` has the other routes.
 
+use plusequals::ownership::Alias;
 use plusequals::testing::{small_block, small_inputs};
-use plusequals::{NoGrad, Result};
+use plusequals::{Error, NoGrad, Result};
 
 #[test]
-fn shallow_clone_aliases_storage_behind_the_borrow_checker() -> Result<()> {
+fn shallow_clone_compiles_but_the_move_is_refused_at_run_time() -> Result<()> {
     let block = small_block()?;
     let (x, context) = small_inputs();
     let before = x.copy();
     let alias = x.shallow_clone(); // compiles: rustc sees two owned values
     let no_grad = NoGrad::new();
-    let y = block.forward_owned(x, Some(&context), &no_grad)?;
-    assert_eq!(alias.data_ptr(), y.data_ptr(), "the alias and the output share one buffer");
-    assert!(!alias.equal(&before), "the mutation leaked through the alias");
-    assert!(alias.equal(&y), "the alias now reads the block's output");
+    let err = block.forward_owned(x, Some(&context), &no_grad).expect_err("an aliased x must be refused");
+    assert!(matches!(err, Error::NotOwned { arg: "x", why: Alias::OtherHandles(1) }), "{err:?}");
+    assert!(alias.equal(&before), "nothing was written");
+    // Once the alias is gone, the same tensor can be given away.
+    let y = block.forward_owned(alias, Some(&context), &no_grad)?;
+    assert!(!y.equal(&before));
     Ok(())
 }
 

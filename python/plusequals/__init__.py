@@ -7,6 +7,7 @@ needs torch's Python classes registered.
 import torch  # noqa: F401  (must precede the extension)
 
 from .blocks import STRATEGIES, BasicTransformerBlock, CrossAttention, FeedForward, GEGLU
+from . import aliases
 from .rust import DonatedTensor, RustBlock
 from .swap import (  # imports diffusers only when called: diffusers stays optional
     RustTransformerBlock,

@@ -155,12 +155,15 @@ def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> i
                 console.print(f"[bold]{c.name}.rs[/]")
                 console.print("\n".join(rendered.splitlines()[:8]), markup=False, highlight=False)
         console.print(
-            "\nThe limit: `Tensor::shallow_clone` gives a second owned handle on the same storage; rustc sees two values, "
-            "and the in-place forward mutates what the other reads (tests/shallow_clone.rs runs it)."
+            "\nrustc sees Rust values and borrows only. A second handle made by tch (`shallow_clone`, `detach`, a view), "
+            "autograd's saved tensors and memory owned by numpy are invisible to it: section 5 shows run time taking over."
         )
 
     console.rule("[bold]4. The runtime mirror at the Python boundary (RustBlock)")
     _runtime_mirror(console, verdict)
+
+    console.rule("[bold]5. Every alias route: PyTorch, rustc, run time (live)")
+    _alias_routes(console, verdict)
 
     console.rule()
     if failures:
@@ -168,6 +171,21 @@ def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> i
         return 1
     console.print("[bold green]every bug reproduced in PyTorch and refused in Rust, as expected[/]")
     return 0
+
+
+def _alias_routes(console: Console, verdict) -> None:
+    from . import aliases
+
+    console.print(
+        "Each way to reach x's memory through a second name. Run time: what `forward_owned` / `add_in_place` / a "
+        "donation did just now (rust/aliases.rs, plusequals.aliases).\n"
+    )
+    t = Table("route", "PyTorch `+=`", "rustc", "run time (now)", "check")
+    for row in aliases.table_rows():
+        live = row.run_time.startswith(("refused", "written", "ACCEPTED", "route failed"))
+        check = verdict(aliases.expected_outcome(row, row.run_time), f"alias/{row.route}") if live else ""
+        t.add_row(row.route, row.pytorch, row.rustc, row.run_time, check)
+    console.print(t)
 
 
 def _runtime_mirror(console: Console, verdict) -> None:

@@ -161,9 +161,10 @@ class RustBlock:
                     )
         if donate:
             _check_donatable(x, context)
+        # With donate=True, Rust checks again from libtorch's own counts and, holding the GIL,
+        # moves the buffer out of x (x becomes an empty tensor) before it writes.
         y = self._block.forward_owned(x, context, donate=bool(donate))
         if donate:
-            x.set_()  # drop the old handle's reference to the buffer now owned by y
             x.__class__ = DonatedTensor
         return y
 
@@ -179,6 +180,14 @@ class RustBlock:
 
 
 def _check_donatable(x: Tensor, context: Optional[Tensor]) -> None:
+    """The clearer, Python-side messages. The Rust side (rust/ownership.rs) checks the same
+    rules and more from libtorch's own counts, atomically with the move, and is the authority."""
+    if not x.untyped_storage().resizable():
+        raise ValueError(
+            "x cannot be donated: its memory is not libtorch's (torch.from_numpy, torch.from_dlpack, "
+            "torch.frombuffer, or a shared-memory tensor): its owner, such as the numpy array, still reads it "
+            "and would see the in-place writes; pass donate=False"
+        )
     if x._base is not None:
         raise ValueError("x cannot be donated: it is a view of another tensor, which would see the in-place writes")
     if torch._debug_has_internal_overlap(x) != 0:  # 1: stride 0 (expanded), 2: maybe overlapping
@@ -193,8 +202,8 @@ def _check_donatable(x: Tensor, context: Optional[Tensor]) -> None:
         )
     if context is not None and context.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError(
-            "context shares x's storage, and x is donated: the in-place residual adds would change the "
-            "context the cross-attention reads; pass context.clone() or donate=False"
+            "context overlaps x (it shares x's storage), and x is donated: the in-place residual adds would "
+            "change the context the cross-attention reads; pass context.clone() or donate=False"
         )
     # One reference from x itself, one from the temporary storage object asked for here.
     users = torch._C._storage_Use_Count(x.untyped_storage()._cdata) - 1

@@ -1,6 +1,9 @@
 //! PyTorch: `x += self.attn1(self.norm1(x))` while autograd still holds `x` (LayerNorm saved
 //! its input for backward): "one of the variables needed for gradient computation has been
-//! modified by an inplace operation". In Rust, a live `&x` forbids the in-place add.
+//! modified by an inplace operation". Here a Rust borrow kept by hand stands in for what autograd
+//! saved, and rustc refuses the in-place add while it lives (E0502). Autograd's real saved tensor
+//! is not a Rust borrow: `let h = attn1(norm1(&x)?)?; x.add_in_place(&h)?;` in grad mode compiles,
+//! and libtorch's count refuses it at run time (tests/alias_routes.rs).
 use plusequals::testing::{small_block, small_inputs};
 use plusequals::{AddInPlace, Result};
 use tch::Kind;

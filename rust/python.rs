@@ -1,0 +1,205 @@
+//! The PyO3 glue (feature `python`): argument conversion, GIL release, error mapping, and the
+//! Python half of a donation. Nothing here computes; the block lives in `block.rs`.
+
+use std::collections::HashMap;
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3_tch::PyTensor;
+use tch::Tensor;
+
+use crate::aliases::Outcome;
+use crate::ownership::check_owned_with_handles;
+use crate::{BasicTransformerBlock, BlockConfig, Error, NoGrad, Result};
+
+fn to_py(err: Error) -> PyErr {
+    match err {
+        Error::Torch(e) => PyRuntimeError::new_err(e.to_string()),
+        other => PyValueError::new_err(other.to_string()),
+    }
+}
+
+/// Lets Python threads call one block at the same time.
+///
+/// SAFETY: `tch::Tensor` is `!Sync` because some tch methods mutate through `&self`. The
+/// block's weights are private to this wrapper, and the only methods reached through a
+/// shared reference (`forward`, `forward_owned`) pass them to libtorch ops as read-only
+/// inputs; libtorch reads a tensor from several threads safely (atomic refcounts, no
+/// lazy state on a read). Nothing here hands a weight out or mutates one.
+struct SharedBlock(BasicTransformerBlock);
+unsafe impl Sync for SharedBlock {}
+
+impl SharedBlock {
+    fn get(&self) -> &BasicTransformerBlock {
+        &self.0
+    }
+}
+
+/// The Rust `BasicTransformerBlock`. Use it through `plusequals.RustBlock`.
+#[pyclass(name = "Block", module = "plusequals._rust", frozen)]
+struct PyBlock {
+    block: SharedBlock,
+}
+
+#[pymethods]
+impl PyBlock {
+    #[new]
+    #[pyo3(signature = (weights, *, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa"))]
+    fn new(
+        weights: HashMap<String, PyTensor>,
+        dim: i64,
+        n_heads: i64,
+        d_head: i64,
+        context_dim: Option<i64>,
+        gated_ff: bool,
+        attention: &str,
+    ) -> PyResult<Self> {
+        let cfg =
+            BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention: attention.parse().map_err(to_py)? };
+        let weights = weights.into_iter().map(|(k, v)| (k, v.0)).collect();
+        let block = BasicTransformerBlock::from_weights(weights, &cfg).map_err(to_py)?;
+        Ok(PyBlock { block: SharedBlock(block) })
+    }
+
+    /// `op_plus_x` out of place; the GIL is released while libtorch computes.
+    #[pyo3(signature = (x, context=None))]
+    fn forward(&self, py: Python<'_>, x: PyTensor, context: Option<PyTensor>) -> PyResult<PyTensor> {
+        let (x, context) = (x.0, context.map(|c| c.0));
+        let block = &self.block;
+        py.allow_threads(move || block.get().forward(&x, context.as_ref())).map(PyTensor).map_err(to_py)
+    }
+
+    /// In-place residuals with grad off. `donate=false` works on a copy of `x`;
+    /// `donate=true` moves `x`'s buffer into the call: see [`take_donated`].
+    #[pyo3(signature = (x, context=None, donate=false))]
+    fn forward_owned(
+        &self,
+        py: Python<'_>,
+        x: PyTensor,
+        context: Option<PyTensor>,
+        donate: bool,
+    ) -> PyResult<PyTensor> {
+        let (x, context) = (x.0, context.map(|c| c.0));
+        let block = &self.block;
+        let x = if donate { take_donated(block.get(), x, context.as_ref()).map_err(to_py)? } else { x };
+        py.allow_threads(move || -> Result<Tensor> {
+            let no_grad = NoGrad::new();
+            let x = if donate { x } else { copy(&x)? };
+            let y = block.get().forward_owned(x, context.as_ref(), &no_grad)?;
+            Ok(y)
+        })
+        .map(PyTensor)
+        .map_err(to_py)
+    }
+
+    /// Everything `forward` does at the boundary (unwrap the tensors, release and retake
+    /// the GIL, wrap a tensor back) and no libtorch op: the binding's own per-call cost.
+    #[pyo3(signature = (x, context=None))]
+    fn echo(&self, py: Python<'_>, x: PyTensor, context: Option<PyTensor>) -> PyTensor {
+        let (x, context) = (x.0, context.map(|c| c.0));
+        let block = &self.block;
+        PyTensor(py.allow_threads(move || {
+            let _ = (block.get().dim, context);
+            x
+        }))
+    }
+
+    /// The checks a donation runs before it moves `x` (shapes, dtype, device, and libtorch's
+    /// ownership counts: `take_donated` without the move), raising what it would raise. For the
+    /// report: their cost per call is this minus `echo`.
+    #[pyo3(signature = (x, context=None))]
+    fn donation_check(&self, x: PyTensor, context: Option<PyTensor>) -> PyResult<()> {
+        let _no_grad = NoGrad::new();
+        self.block.get().check_inputs(&x, context.as_deref()).map_err(to_py)?;
+        check_owned_with_handles(&x, context.as_deref(), 2).map_err(to_py)
+    }
+
+    /// `n` calls of `forward` (or of `forward_owned` on a copy made once) without
+    /// returning to Python: libtorch's cost alone, for the benchmark.
+    #[pyo3(signature = (x, context=None, n=1, owned=false))]
+    fn forward_loop(
+        &self,
+        py: Python<'_>,
+        x: PyTensor,
+        context: Option<PyTensor>,
+        n: usize,
+        owned: bool,
+    ) -> PyResult<PyTensor> {
+        let (x, context) = (x.0, context.map(|c| c.0));
+        let block = &self.block;
+        py.allow_threads(move || -> Result<Tensor> {
+            let no_grad = NoGrad::new();
+            let mut y = copy(&x)?;
+            for _ in 0..n {
+                y = if owned {
+                    let mut fresh = y; // reuse the last output's buffer as the next input
+                    fresh.f_copy_(&x)?;
+                    block.get().forward_owned(fresh, context.as_ref(), &no_grad)?
+                } else {
+                    block.get().forward(&x, context.as_ref())?
+                };
+            }
+            Ok(y)
+        })
+        .map(PyTensor)
+        .map_err(to_py)
+    }
+}
+
+/// The Python half of a move, done while the GIL is held so that no Python thread can make a
+/// new alias between the check and the write.
+///
+/// `x` arrives with two handles on its `TensorImpl`: the Python object's and this call's. If
+/// libtorch's bookkeeping shows nothing else (`check_owned_with_handles(.., 2)`), the buffer
+/// moves to a fresh handle and the Python object lets go of it (`set_()`: it becomes an empty
+/// tensor), so the returned tensor is the only one that can read the memory the block writes.
+/// Everything `forward_owned` checks is checked first, so a refused donation leaves `x` as it
+/// was. (An error inside libtorch after the first write, such as running out of memory, leaves
+/// `x` consumed, as any donation does.)
+fn take_donated(block: &BasicTransformerBlock, mut x: Tensor, context: Option<&Tensor>) -> Result<Tensor> {
+    let _no_grad = NoGrad::new(); // the caller's grad mode is not the forward's: see forward_owned
+    block.check_inputs(&x, context)?;
+    check_owned_with_handles(&x, context, 2)?;
+    let owned = x.f_detach()?; // a second TensorImpl on the storage
+    let _python_object = x.f_set_()?; // the Python object's TensorImpl drops the storage
+    Ok(owned)
+}
+
+fn copy(x: &Tensor) -> Result<Tensor> {
+    let mut c = x.f_empty_like()?;
+    c.f_copy_(x)?;
+    Ok(c)
+}
+
+/// Runs every Rust alias route (`rust/aliases.rs`) now: `(name, what happened)` pairs.
+#[pyfunction]
+fn alias_routes(py: Python<'_>) -> Vec<(String, String)> {
+    py.allow_threads(|| {
+        crate::aliases::routes()
+            .into_iter()
+            .map(|route| {
+                let outcome = match (route.run)() {
+                    Ok(Outcome::Refused { error: Error::NotOwned { arg, why }, unchanged }) => {
+                        let kept = if unchanged { "nothing written" } else { "BUT THE OTHER NAME CHANGED" };
+                        format!("refused ({arg}: {}); {kept}", why.label())
+                    }
+                    Ok(Outcome::Refused { error, .. }) => format!("refused: {error}"),
+                    Ok(Outcome::Written) => "written (tch's own API)".to_string(),
+                    Err(error) => format!("route failed: {error}"),
+                };
+                (route.name.to_string(), outcome)
+            })
+            .collect()
+    })
+}
+
+#[pymodule]
+fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // pyo3-tch can only unwrap tensors once torch's Python classes are registered.
+    m.py().import("torch")?;
+    m.add_class::<PyBlock>()?;
+    m.add_function(wrap_pyfunction!(alias_routes, m)?)?;
+    m.add("TCH_VERSION", "0.24.0")?;
+    m.add("RUSTC_VERSION", env!("PLUSEQUALS_RUSTC_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,161 @@
+"""The alias routes at the Python boundary: every way to reach ``x``'s memory through a second
+name, what PyTorch does with it (the seed's ``+=``), and what a donation to Rust does.
+
+For each route there are three columns (``plusequals.aliases.PY_ROUTES``):
+
+* PyTorch: the ``iadd`` block on ``x`` writes through the second name, silently.
+* ``RustBlock.forward_owned(x, donate=True)``: refused with ``ValueError`` naming ``x`` or
+  ``context``, every tensor (and numpy array) bitwise unchanged, ``x`` still usable.
+* The raw extension (``plusequals._rust.Block``, no Python checks): refused by the same Rust
+  check (rust/ownership.rs), nothing written.
+
+The Rust-side routes (shallow_clone, autograd's saved tensors, grad mode turned back on, ...) are
+``tests/alias_routes.rs``; both tables are in the README and printed by ``python -m plusequals demo``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from boundary_helpers import _raw_block, assert_matches, same_bits, small_block, small_inputs
+
+from plusequals import DonatedTensor, RustBlock, aliases
+
+
+@pytest.mark.parametrize("route", aliases.PY_ROUTES, ids=lambda r: r.name)
+def test_pytorch_iadd_writes_through_the_second_name(route):
+    """The PyTorch column: with ``+=`` inside the block, the other name reads the output."""
+    block = small_block()
+    x, c = small_inputs()
+    x, others, c = route.make(x, c)
+    before = [o.clone() if isinstance(o, torch.Tensor) else o.copy() for o in others]
+    with torch.no_grad():
+        block(x, c, residual="iadd")
+    changed = [not _same(o, b) for o, b in zip(others, before)]
+    assert any(changed), f"{route.name}: the seed's += did not reach the other name"
+    assert route.pytorch.startswith("silent"), route.pytorch
+
+
+@pytest.mark.parametrize("route", aliases.PY_ROUTES, ids=lambda r: r.name)
+@pytest.mark.parametrize("entry", ["RustBlock", "raw"])
+def test_donation_through_a_second_name_is_refused_and_nothing_is_written(route, entry):
+    block = small_block()
+    rust = RustBlock.from_torch(block)
+    _, raw = _raw_block()
+    x, c = small_inputs()
+    x, others, c = route.make(x, c)
+    before_x, before_c = x.clone(), None if c is None else c.clone()
+    before = [o.clone() if isinstance(o, torch.Tensor) else o.copy() for o in others]
+    call = rust.forward_owned if entry == "RustBlock" else raw.forward_owned
+    with torch.no_grad(), pytest.raises(ValueError) as info:
+        call(x, c, donate=True)
+    message = str(info.value)
+    assert message.startswith(f"{route.refused_arg} "), message
+    assert route.why in message, f"{route.name}: {message!r} does not say {route.why!r}"
+    assert not isinstance(x, DonatedTensor)
+    assert same_bits(x, before_x) and (c is None or same_bits(c, before_c))
+    assert all(_same(o, b) for o, b in zip(others, before)), f"{route.name}: the other name changed"
+    with torch.no_grad():  # x is still usable and still right, without donation
+        assert_matches(rust.forward_owned(x, c), block(before_x, before_c))
+
+
+def test_a_python_storage_object_is_an_alias_while_someone_holds_it():
+    """``x.untyped_storage()`` held in Python reads the buffer: refused. Once dropped, torch 2.11
+    still keeps the object alive with the storage (PyObject preservation), but nobody can reach
+    it, so the donation goes through."""
+    block, raw = _raw_block()
+    x, c = small_inputs()
+    held = x.untyped_storage()
+    before = x.clone()
+    with torch.no_grad(), pytest.raises(ValueError, match="^x .*storage"):
+        raw.forward_owned(x, c, donate=True)
+    assert same_bits(x, before)
+    del held
+    with torch.no_grad():
+        out = raw.forward_owned(x, c, donate=True)
+    assert_matches(out, block(before, c))
+
+
+def test_python_names_for_one_object_are_invalidated_together():
+    """``y = x`` is not an alias libtorch can see (one Python object): the donation goes through,
+    and every name for the object is the donated tensor afterwards."""
+    block = small_block()
+    rust = RustBlock.from_torch(block)
+    x, c = small_inputs()
+    y_name = x
+    with torch.no_grad():
+        expected = block(x.clone(), c)
+        out = rust.forward_owned(x, c, donate=True)
+    assert_matches(out, expected)
+    with pytest.raises(RuntimeError, match="donated"):
+        y_name + 1
+
+
+def test_raw_donation_moves_the_buffer_out_of_the_python_object():
+    """Without RustBlock's class swap, the raw extension still moves: the Python object lets go of
+    the buffer (it becomes empty), so no Python name can read what the block writes."""
+    block, raw = _raw_block()
+    x, c = small_inputs()
+    y_name = x
+    ptr = x.data_ptr()
+    with torch.no_grad():
+        expected = block(x.clone(), c)
+        out = raw.forward_owned(x, c, donate=True)
+    assert out.data_ptr() == ptr
+    assert_matches(out, expected)
+    assert x.numel() == 0 and y_name.numel() == 0 and x.untyped_storage().nbytes() == 0
+
+
+def test_no_thread_can_alias_x_between_the_check_and_the_move():
+    """A second Python thread keeps taking storage handles on ``x`` while the main thread donates
+    it. The check and the move happen in Rust under one hold of the GIL, so each donation either
+    is refused (a handle existed) or leaves no handle of the other thread on the written buffer."""
+    block = small_block()
+    rust = RustBlock.from_torch(block)
+    stop = threading.Event()
+    shared = {"x": None}
+    taken: list = []
+
+    def alias_taker():
+        while not stop.is_set():
+            x = shared["x"]
+            if x is not None and not isinstance(x, DonatedTensor):
+                try:
+                    taken.append(x.untyped_storage())  # a storage handle: holds the buffer
+                except RuntimeError:
+                    pass  # donated between the check above and the call
+            if len(taken) > 8:
+                taken.pop(0)
+
+    thread = threading.Thread(target=alias_taker)
+    thread.start()
+    accepted = refused = 0
+    try:
+        for i in range(300):
+            x, c = small_inputs(seed=i)
+            shared["x"] = x
+            if i % 2:
+                time.sleep(0.0005)  # let the other thread in: it may take a handle first
+            try:
+                with torch.no_grad():
+                    out = rust.forward_owned(x, c, donate=True)
+            except ValueError:
+                refused += 1
+                continue
+            accepted += 1
+            held = [s for s in list(taken) if s.nbytes() > 0]
+            assert all(s.data_ptr() != out.data_ptr() for s in held), "a storage handle reads the written buffer"
+    finally:
+        stop.set()
+        thread.join()
+    assert accepted > 0 and refused > 0, (accepted, refused)  # both sides of the race were reached
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    return same_bits(a, b)
