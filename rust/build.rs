@@ -9,7 +9,8 @@
 //!
 //! It also compiles `cpp/` (the `cc` crate) against the pip torch's own headers, the ones
 //! torch-sys compiles against: `tensor_facts.cpp`, the libtorch bookkeeping that
-//! `rust/ownership.rs` reads.
+//! `rust/ownership.rs` reads; `block.cpp`, the C++ twin, and its C ABI `capi.cpp`
+//! (`rust/cpp.rs`); `gallery.cpp`, the seed's bugs written in C++, all of which compile.
 use std::path::Path;
 
 fn main() {
@@ -24,6 +25,10 @@ fn main() {
     cc::Build::new()
         .cpp(true)
         .file("cpp/tensor_facts.cpp")
+        .file("cpp/block.cpp")
+        .file("cpp/capi.cpp")
+        .file("cpp/gallery.cpp")
+        .opt_level(2) // the twin is timed; the C++ of a debug build is optimised too
         .include(&include)
         .flag("-std=c++17")
         .define("_GLIBCXX_USE_CXX11_ABI", "1")

@@ -28,6 +28,9 @@ pub enum Error {
     /// caller's alone to give (see `ownership::check_owned`); nothing was written.
     #[error("{arg} refused for an in-place write: it {why}")]
     NotOwned { arg: &'static str, why: Alias },
+    /// An exception the C++ twin caught (`cpp/capi.cpp`), with its message.
+    #[error("{0}")]
+    Cpp(String),
     /// An error raised inside libtorch.
     #[error(transparent)]
     Torch(#[from] TchError),

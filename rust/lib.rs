@@ -4,6 +4,7 @@
 
 pub mod aliases;
 pub mod block;
+pub mod cpp;
 pub mod error;
 pub mod ownership;
 pub mod testing;

@@ -9,33 +9,88 @@ use pyo3_tch::PyTensor;
 use tch::Tensor;
 
 use crate::aliases::Outcome;
-use crate::ownership::check_owned_with_handles;
+use crate::cpp::CppBlock;
+use crate::ownership::{check_owned, check_owned_with_handles};
 use crate::{BasicTransformerBlock, BlockConfig, Error, NoGrad, Result};
 
 fn to_py(err: Error) -> PyErr {
     match err {
         Error::Torch(e) => PyRuntimeError::new_err(e.to_string()),
+        Error::Cpp(msg) => PyRuntimeError::new_err(msg),
         other => PyValueError::new_err(other.to_string()),
+    }
+}
+
+/// The block behind the Python class: the Rust twin, and the C++ twin when `language="cpp"`.
+/// The Rust block validates the weights and every input for both; the C++ one, when present,
+/// computes.
+struct Twins {
+    rust: BasicTransformerBlock,
+    cpp: Option<CppBlock>,
+}
+
+impl Twins {
+    fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
+        match &self.cpp {
+            None => self.rust.forward(x, context),
+            Some(cpp) => {
+                self.rust.check_inputs(x, context)?;
+                cpp.forward(x, context)
+            }
+        }
+    }
+
+    fn forward_owned(&self, x: Tensor, context: Option<&Tensor>, no_grad: &NoGrad) -> Result<Tensor> {
+        match &self.cpp {
+            None => self.rust.forward_owned(x, context, no_grad),
+            Some(cpp) => {
+                self.rust.check_inputs(&x, context)?;
+                check_owned(&x, context)?; // what C++ does not check: rust/ownership.rs
+                cpp.forward_owned(x, context)
+            }
+        }
+    }
+
+    /// `n` forwards without returning to Python (grad off); `owned` reuses the last output's
+    /// buffer as the next input, refilled from `x`.
+    fn forward_loop(&self, x: &Tensor, context: Option<&Tensor>, n: usize, owned: bool) -> Result<Tensor> {
+        self.rust.check_inputs(x, context)?;
+        if let Some(cpp) = &self.cpp {
+            return cpp.forward_loop(x, context, n as i64, owned);
+        }
+        let no_grad = NoGrad::new();
+        let mut y = copy(x)?;
+        for _ in 0..n {
+            y = if owned {
+                let mut fresh = y;
+                fresh.f_copy_(x)?;
+                self.rust.forward_owned(fresh, context, &no_grad)?
+            } else {
+                self.rust.forward(x, context)?
+            };
+        }
+        Ok(y)
     }
 }
 
 /// Lets Python threads call one block at the same time.
 ///
-/// SAFETY: `tch::Tensor` is `!Sync` because some tch methods mutate through `&self`. The
-/// block's weights are private to this wrapper, and the only methods reached through a
-/// shared reference (`forward`, `forward_owned`) pass them to libtorch ops as read-only
-/// inputs; libtorch reads a tensor from several threads safely (atomic refcounts, no
-/// lazy state on a read). Nothing here hands a weight out or mutates one.
-struct SharedBlock(BasicTransformerBlock);
+/// SAFETY: `tch::Tensor` is `!Sync` because some tch methods mutate through `&self`. The only
+/// methods reached through a shared reference (`forward`, `forward_owned`, `forward_loop`) pass
+/// the weights to libtorch ops as read-only inputs; libtorch reads a tensor from several threads
+/// safely (atomic refcounts, no lazy state on a read). Nothing here hands a weight out or
+/// mutates one. (The weights' storage is shared with Python by design: `RustBlock.from_torch`.)
+struct SharedBlock(Twins);
 unsafe impl Sync for SharedBlock {}
 
 impl SharedBlock {
-    fn get(&self) -> &BasicTransformerBlock {
+    fn get(&self) -> &Twins {
         &self.0
     }
 }
 
-/// The Rust `BasicTransformerBlock`. Use it through `plusequals.RustBlock`.
+/// The Rust `BasicTransformerBlock` (or, with `language="cpp"`, its C++ twin). Use it through
+/// `plusequals.RustBlock` / `plusequals.CppBlock`.
 #[pyclass(name = "Block", module = "plusequals._rust", frozen)]
 struct PyBlock {
     block: SharedBlock,
@@ -44,7 +99,8 @@ struct PyBlock {
 #[pymethods]
 impl PyBlock {
     #[new]
-    #[pyo3(signature = (weights, *, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa"))]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (weights, *, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa", language="rust"))]
     fn new(
         weights: HashMap<String, PyTensor>,
         dim: i64,
@@ -53,12 +109,20 @@ impl PyBlock {
         context_dim: Option<i64>,
         gated_ff: bool,
         attention: &str,
+        language: &str,
     ) -> PyResult<Self> {
         let cfg =
             BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention: attention.parse().map_err(to_py)? };
-        let weights = weights.into_iter().map(|(k, v)| (k, v.0)).collect();
-        let block = BasicTransformerBlock::from_weights(weights, &cfg).map_err(to_py)?;
-        Ok(PyBlock { block: SharedBlock(block) })
+        let mut weights: Vec<(String, Tensor)> = weights.into_iter().map(|(k, v)| (k, v.0)).collect();
+        weights.sort_by(|a, b| a.0.cmp(&b.0));
+        let cpp = match language {
+            "rust" => None,
+            // The C++ block gets its own handles on the same weights (no copies).
+            "cpp" => Some(CppBlock::from_weights(&weights, &cfg).map_err(to_py)?),
+            other => return Err(PyValueError::new_err(format!("language must be 'rust' or 'cpp', got {other:?}"))),
+        };
+        let rust = BasicTransformerBlock::from_weights(weights.into_iter().collect(), &cfg).map_err(to_py)?;
+        Ok(PyBlock { block: SharedBlock(Twins { rust, cpp }) })
     }
 
     /// `op_plus_x` out of place; the GIL is released while libtorch computes.
@@ -81,7 +145,7 @@ impl PyBlock {
     ) -> PyResult<PyTensor> {
         let (x, context) = (x.0, context.map(|c| c.0));
         let block = &self.block;
-        let x = if donate { take_donated(block.get(), x, context.as_ref()).map_err(to_py)? } else { x };
+        let x = if donate { take_donated(&block.get().rust, x, context.as_ref()).map_err(to_py)? } else { x };
         py.allow_threads(move || -> Result<Tensor> {
             let no_grad = NoGrad::new();
             let x = if donate { x } else { copy(&x)? };
@@ -99,7 +163,7 @@ impl PyBlock {
         let (x, context) = (x.0, context.map(|c| c.0));
         let block = &self.block;
         PyTensor(py.allow_threads(move || {
-            let _ = (block.get().dim, context);
+            let _ = (block.get().rust.dim, context);
             x
         }))
     }
@@ -110,7 +174,7 @@ impl PyBlock {
     #[pyo3(signature = (x, context=None))]
     fn donation_check(&self, x: PyTensor, context: Option<PyTensor>) -> PyResult<()> {
         let _no_grad = NoGrad::new();
-        self.block.get().check_inputs(&x, context.as_deref()).map_err(to_py)?;
+        self.block.get().rust.check_inputs(&x, context.as_deref()).map_err(to_py)?;
         check_owned_with_handles(&x, context.as_deref(), 2).map_err(to_py)
     }
 
@@ -127,22 +191,7 @@ impl PyBlock {
     ) -> PyResult<PyTensor> {
         let (x, context) = (x.0, context.map(|c| c.0));
         let block = &self.block;
-        py.allow_threads(move || -> Result<Tensor> {
-            let no_grad = NoGrad::new();
-            let mut y = copy(&x)?;
-            for _ in 0..n {
-                y = if owned {
-                    let mut fresh = y; // reuse the last output's buffer as the next input
-                    fresh.f_copy_(&x)?;
-                    block.get().forward_owned(fresh, context.as_ref(), &no_grad)?
-                } else {
-                    block.get().forward(&x, context.as_ref())?
-                };
-            }
-            Ok(y)
-        })
-        .map(PyTensor)
-        .map_err(to_py)
+        py.allow_threads(move || block.get().forward_loop(&x, context.as_ref(), n, owned)).map(PyTensor).map_err(to_py)
     }
 }
 
@@ -193,12 +242,28 @@ fn alias_routes(py: Python<'_>) -> Vec<(String, String)> {
     })
 }
 
+/// Runs the C++ bug gallery (`cpp/gallery.cpp`) on the small test block: `(case, whether its bug
+/// happened, what it saw)`.
+#[pyfunction]
+fn cpp_gallery(py: Python<'_>) -> PyResult<Vec<(String, bool, String)>> {
+    py.allow_threads(|| -> Result<_> {
+        let cfg = crate::testing::small_config(crate::Attention::Sdpa);
+        let mut weights: Vec<_> = crate::testing::small_weights(0).into_iter().collect();
+        weights.sort_by(|a, b| a.0.cmp(&b.0));
+        let cpp = CppBlock::from_weights(&weights, &cfg)?;
+        let (x, c) = crate::testing::small_inputs();
+        cpp.gallery(&x, &c).into_iter().map(|(name, happened, what)| Ok((name, happened?, what))).collect()
+    })
+    .map_err(to_py)
+}
+
 #[pymodule]
 fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // pyo3-tch can only unwrap tensors once torch's Python classes are registered.
     m.py().import("torch")?;
     m.add_class::<PyBlock>()?;
     m.add_function(wrap_pyfunction!(alias_routes, m)?)?;
+    m.add_function(wrap_pyfunction!(cpp_gallery, m)?)?;
     m.add("TCH_VERSION", "0.24.0")?;
     m.add("RUSTC_VERSION", env!("PLUSEQUALS_RUSTC_VERSION"))?;
     Ok(())

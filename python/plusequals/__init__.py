@@ -8,7 +8,7 @@ import torch  # noqa: F401  (must precede the extension)
 
 from .blocks import STRATEGIES, BasicTransformerBlock, CrossAttention, FeedForward, GEGLU
 from . import aliases
-from .rust import DonatedTensor, RustBlock
+from .rust import CppBlock, DonatedTensor, RustBlock
 from .swap import (  # imports diffusers only when called: diffusers stays optional
     RustTransformerBlock,
     SwapHandle,
@@ -19,6 +19,7 @@ from .swap import (  # imports diffusers only when called: diffusers stays optio
 )
 
 __all__ = [
+    "CppBlock",
     "STRATEGIES",
     "BasicTransformerBlock",
     "CrossAttention",

@@ -142,12 +142,17 @@ def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> i
     else:
         cases = read_cases()
         found = check_cases(cases, console)
-        t = Table("case (tests/ui/)", "PyTorch bug it mirrors", "expected", "rustc said", "fixed twin", "check")
+        from . import _rust
+
+        cpp = {name: (happened, what) for name, happened, what in _rust.cpp_gallery()}
+        t = Table("case (tests/ui/)", "PyTorch bug it mirrors", "expected", "rustc said", "fixed twin", "C++ (cpp/gallery.cpp)", "check")
         for c in cases:
             codes, _ = found[c.name]
             twin_codes, _ = found[f"{c.name}_fixed"]
-            ok = codes[:1] == [c.code] and not twin_codes
-            t.add_row(c.name, c.mirrors, c.code, ", ".join(codes) or "compiled!", "compiles" if not twin_codes else ", ".join(twin_codes), verdict(ok, f"rustc/{c.name}"))
+            happened, _ = cpp.get(c.name, (False, "missing"))
+            ok = codes[:1] == [c.code] and not twin_codes and happened
+            cpp_cell = "compiles; bug at run time" if happened else "[red]no bug?[/]"
+            t.add_row(c.name, c.mirrors, c.code, ", ".join(codes) or "compiled!", "compiles" if not twin_codes else ", ".join(twin_codes), cpp_cell, verdict(ok, f"rustc/{c.name}"))
         console.print(t)
         for c in cases:
             codes, rendered = found[c.name]

@@ -59,6 +59,8 @@ class RustBlock:
       the caller's tensor is never mutated unless it is donated.
     """
 
+    LANGUAGE = "rust"  # which twin computes: rust/block.rs, or cpp/block.cpp (CppBlock)
+
     def __init__(self, inner: _rust.Block, device: Optional[torch.device] = None) -> None:
         self._block = inner
         self._device = device
@@ -130,6 +132,7 @@ class RustBlock:
             **dims,
             gated_ff=gated_ff,
             attention=attention,
+            language=cls.LANGUAGE,
         )
         return cls(inner, device)
 
@@ -177,6 +180,19 @@ class RustBlock:
         _check_tensor("x", x, device=self._device)
         _check_tensor("context", context, optional=True, device=self._device)
         return self._block.forward_loop(x, context, n=n, owned=owned)
+
+
+class CppBlock(RustBlock):
+    """The libtorch C++ twin (``cpp/block.cpp``), with ``RustBlock``'s interface, checks and
+    donation rules: ``CppBlock.from_torch(block)``.
+
+    C++ computes; the Rust side validates the weights and every input first, and for
+    ``forward_owned`` runs the ownership check that C++ itself does not have
+    (``rust/ownership.rs``): ``void f(const at::Tensor& x) { x.add_(y); }`` compiles in C++
+    (``cpp/gallery.cpp``).
+    """
+
+    LANGUAGE = "cpp"
 
 
 def _check_donatable(x: Tensor, context: Optional[Tensor]) -> None:

@@ -1,0 +1,100 @@
+// The libtorch C++ twin: read it line for line against python/plusequals/blocks.py and
+// rust/block.rs.
+#include "block.h"
+
+#include <cmath>
+
+namespace plusequals {
+
+at::Tensor CrossAttention::forward(const at::Tensor& x, const std::optional<at::Tensor>& context_) const {
+  const int64_t h = heads;
+  const at::Tensor q = to_q.forward(x);
+  const at::Tensor& context = context_.has_value() ? *context_ : x;
+  const at::Tensor k = to_k.forward(context);
+  const at::Tensor v = to_v.forward(context);
+  const int64_t b = q.size(0), n = q.size(1), inner = q.size(2);
+  const int64_t d = inner / h;
+  at::Tensor out;
+  if (attention == Attention::Einsum) {
+    // 'b n (h d) -> (b h) n d'
+    auto split = [&](const at::Tensor& t) { return t.reshape({b, -1, h, d}).permute({0, 2, 1, 3}).reshape({b * h, -1, d}); };
+    const at::Tensor sim = at::einsum("b i d, b j d -> b i j", {split(q), split(k)}) * scale;
+    const at::Tensor attn = sim.softmax(-1);
+    out = at::einsum("b i j, b j d -> b i d", {attn, split(v)});
+    // '(b h) n d -> b n (h d)'
+    out = out.reshape({b, h, n, d}).permute({0, 2, 1, 3}).reshape({b, n, h * d});
+  } else {
+    // 'b n (h d) -> b h n d'
+    auto split = [&](const at::Tensor& t) { return t.reshape({b, -1, h, d}).transpose(1, 2); };
+    out = at::scaled_dot_product_attention(split(q), split(k), split(v), {}, 0.0, false, scale);
+    out = out.transpose(1, 2).reshape({b, n, h * d});
+  }
+  return to_out.forward(out);
+}
+
+at::Tensor GeGlu::forward(const at::Tensor& x) const {
+  const auto chunks = proj.forward(x).chunk(2, -1);
+  const at::Tensor &a = chunks[0], &gate = chunks[1];
+  return a * at::gelu(gate);
+}
+
+at::Tensor FeedForward::forward(const at::Tensor& x) const {
+  const at::Tensor y = gated ? geglu.forward(x) : at::gelu(net_0_0.forward(x));
+  return net_2.forward(y);
+}
+
+at::Tensor BasicTransformerBlock::forward(const at::Tensor& x_, const std::optional<at::Tensor>& context) const {
+  at::Tensor x = attn1.forward(norm1.forward(x_), std::nullopt) + x_;
+  x = attn2.forward(norm2.forward(x), context) + x;
+  x = ff.forward(norm3.forward(x)) + x;
+  return x;
+}
+
+at::Tensor BasicTransformerBlock::forward_owned(at::Tensor x, const std::optional<at::Tensor>& context) const {
+  x.add_(attn1.forward(norm1.forward(x), std::nullopt));
+  x.add_(attn2.forward(norm2.forward(x), context));
+  x.add_(ff.forward(norm3.forward(x)));
+  return x;
+}
+
+// ----------------------------------------------------------------------------- loading by key
+
+static at::Tensor take(const Weights& w, const std::string& key) {
+  const auto it = w.find(key);
+  TORCH_CHECK(it != w.end(), "missing weight \"", key, "\"");
+  return it->second;
+}
+
+static Linear linear(const Weights& w, const std::string& prefix, bool bias) {
+  return Linear{take(w, prefix + ".weight"), bias ? std::optional<at::Tensor>(take(w, prefix + ".bias")) : std::nullopt};
+}
+
+static CrossAttention cross_attention(const Weights& w, const std::string& p, const Config& cfg) {
+  return CrossAttention{linear(w, p + ".to_q", false), linear(w, p + ".to_k", false), linear(w, p + ".to_v", false),
+                        linear(w, p + ".to_out.0", true), std::pow(static_cast<double>(cfg.d_head), -0.5),
+                        cfg.n_heads, cfg.attention};
+}
+
+static LayerNorm layer_norm(const Weights& w, const std::string& p, int64_t dim) {
+  return LayerNorm{take(w, p + ".weight"), take(w, p + ".bias"), dim};
+}
+
+static FeedForward feed_forward(const Weights& w, const Config& cfg) {
+  FeedForward ff{cfg.gated_ff, {}, {}, linear(w, "ff.net.2", true)};
+  if (cfg.gated_ff) {
+    ff.geglu = GeGlu{linear(w, "ff.net.0.proj", true)};
+  } else {
+    ff.net_0_0 = linear(w, "ff.net.0.0", true);
+  }
+  return ff;
+}
+
+BasicTransformerBlock::BasicTransformerBlock(const Weights& w, const Config& cfg)
+    : attn1(cross_attention(w, "attn1", cfg)),
+      ff(feed_forward(w, cfg)),
+      attn2(cross_attention(w, "attn2", cfg)),
+      norm1(layer_norm(w, "norm1", cfg.dim)),
+      norm2(layer_norm(w, "norm2", cfg.dim)),
+      norm3(layer_norm(w, "norm3", cfg.dim)) {}
+
+}  // namespace plusequals

@@ -1,0 +1,89 @@
+// The C ABI of the C++ twin, for rust/cpp.rs. Every entry point catches every exception and
+// reports it through `err` (a NUL-terminated message), so no C++ exception crosses into Rust.
+// Tensors cross as tch's `C_tensor`, an `at::Tensor*`; a returned tensor is a new heap handle
+// that the caller owns (tch::Tensor::from_ptr).
+#include <cstring>
+#include <exception>
+
+#include "block.h"
+
+using plusequals::BasicTransformerBlock;
+
+namespace {
+
+void set_error(char* err, size_t len, const char* msg) {
+  if (err != nullptr && len > 0) {
+    std::strncpy(err, msg, len - 1);
+    err[len - 1] = '\0';
+  }
+}
+
+template <typename F>
+auto guarded(char* err, size_t len, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const c10::Error& e) {
+    set_error(err, len, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    set_error(err, len, e.what());
+  } catch (...) {
+    set_error(err, len, "unknown C++ exception");
+  }
+  return nullptr;
+}
+
+std::optional<at::Tensor> optional(const at::Tensor* t) {
+  return t == nullptr ? std::nullopt : std::optional<at::Tensor>(*t);
+}
+
+}  // namespace
+
+extern "C" {
+
+BasicTransformerBlock* pe_cpp_block_new(const char* const* keys, const at::Tensor* const* tensors, int64_t n,
+                                        int64_t dim, int64_t n_heads, int64_t d_head, int64_t context_dim,
+                                        int32_t gated_ff, int32_t einsum, char* err, size_t len) {
+  return guarded(err, len, [&]() -> BasicTransformerBlock* {
+    plusequals::Weights w;
+    for (int64_t i = 0; i < n; ++i) w.emplace(keys[i], *tensors[i]);
+    const plusequals::Config cfg{dim, n_heads, d_head, context_dim, gated_ff != 0,
+                                 einsum != 0 ? plusequals::Attention::Einsum : plusequals::Attention::Sdpa};
+    return new BasicTransformerBlock(w, cfg);
+  });
+}
+
+void pe_cpp_block_free(BasicTransformerBlock* block) { delete block; }
+
+at::Tensor* pe_cpp_forward(const BasicTransformerBlock* block, const at::Tensor* x, const at::Tensor* context,
+                           char* err, size_t len) {
+  return guarded(err, len, [&] { return new at::Tensor(block->forward(*x, optional(context))); });
+}
+
+// Takes `x`'s handle over: `*x` is moved into the block (the caller's pointer is left holding an
+// undefined tensor, and still owns that heap object).
+at::Tensor* pe_cpp_forward_owned(const BasicTransformerBlock* block, at::Tensor* x, const at::Tensor* context,
+                                 char* err, size_t len) {
+  return guarded(err, len, [&] { return new at::Tensor(block->forward_owned(std::move(*x), optional(context))); });
+}
+
+// `n` forwards without leaving C++: `forward` on `x`, or `forward_owned` on a buffer refilled
+// from `x` each time (as rust/python.rs's forward_loop does).
+at::Tensor* pe_cpp_forward_loop(const BasicTransformerBlock* block, const at::Tensor* x, const at::Tensor* context,
+                                int64_t n, int32_t owned, char* err, size_t len) {
+  return guarded(err, len, [&] {
+    c10::NoGradGuard no_grad;
+    const auto ctx = optional(context);
+    at::Tensor y = x->clone();
+    for (int64_t i = 0; i < n; ++i) {
+      if (owned != 0) {
+        y.copy_(*x);
+        y = block->forward_owned(std::move(y), ctx);
+      } else {
+        y = block->forward(*x, ctx);
+      }
+    }
+    return new at::Tensor(std::move(y));
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,185 @@
+//! The libtorch C++ twin (`cpp/block.cpp`), reached through its C ABI (`cpp/capi.cpp`), and the
+//! C++ bug gallery (`cpp/gallery.cpp`). C++ computes; this file only passes handles and errors.
+//!
+//! The C++ block shares the weights' storage (each key is a second `at::Tensor` handle), as
+//! the Rust block does. Every C++ exception is caught on the C++ side and arrives here as an
+//! `Err` with its message.
+
+use std::ffi::{c_char, CStr, CString};
+use std::ptr::NonNull;
+
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+use crate::block::{Attention, BlockConfig};
+use crate::error::{Error, Result};
+
+#[repr(C)]
+struct RawBlock {
+    _private: [u8; 0],
+}
+
+extern "C" {
+    #[allow(clippy::too_many_arguments)]
+    fn pe_cpp_block_new(
+        keys: *const *const c_char,
+        tensors: *const *const C_tensor,
+        n: i64,
+        dim: i64,
+        n_heads: i64,
+        d_head: i64,
+        context_dim: i64,
+        gated_ff: i32,
+        einsum: i32,
+        err: *mut c_char,
+        len: usize,
+    ) -> *mut RawBlock;
+    fn pe_cpp_block_free(block: *mut RawBlock);
+    fn pe_cpp_forward(
+        block: *const RawBlock,
+        x: *const C_tensor,
+        context: *const C_tensor,
+        err: *mut c_char,
+        len: usize,
+    ) -> *mut C_tensor;
+    fn pe_cpp_forward_owned(
+        block: *const RawBlock,
+        x: *mut C_tensor,
+        context: *const C_tensor,
+        err: *mut c_char,
+        len: usize,
+    ) -> *mut C_tensor;
+    fn pe_cpp_forward_loop(
+        block: *const RawBlock,
+        x: *const C_tensor,
+        context: *const C_tensor,
+        n: i64,
+        owned: i32,
+        err: *mut c_char,
+        len: usize,
+    ) -> *mut C_tensor;
+    fn pe_cpp_case_count() -> i64;
+    fn pe_cpp_case_name(i: i64) -> *const c_char;
+    fn pe_cpp_case_run(
+        i: i64,
+        block: *const RawBlock,
+        x: *const C_tensor,
+        context: *const C_tensor,
+        what: *mut c_char,
+        len: usize,
+    ) -> i32;
+}
+
+const ERR_LEN: usize = 1024;
+
+/// Calls `f` with an error buffer; a null result becomes `Err` with the C++ message.
+fn call<T>(f: impl FnOnce(*mut c_char, usize) -> *mut T) -> Result<NonNull<T>> {
+    let mut err = vec![0 as c_char; ERR_LEN];
+    let out = f(err.as_mut_ptr(), ERR_LEN);
+    NonNull::new(out).ok_or_else(|| {
+        // SAFETY: the C++ side wrote a NUL-terminated message into the buffer (or left zeros).
+        let msg = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned();
+        Error::Cpp(msg)
+    })
+}
+
+fn tensor(ptr: NonNull<C_tensor>) -> Tensor {
+    // SAFETY: a new heap `at::Tensor` the C++ side handed over; tch frees it on drop.
+    unsafe { Tensor::from_ptr(ptr.as_ptr()) }
+}
+
+fn opt(t: Option<&Tensor>) -> *const C_tensor {
+    t.map_or(std::ptr::null(), |t| t.as_ptr())
+}
+
+/// The C++ `BasicTransformerBlock`, built from the same CompVis-keyed weights.
+pub struct CppBlock {
+    raw: NonNull<RawBlock>,
+}
+
+// SAFETY: the C++ block is immutable after construction (every method is `const`) and holds
+// only `at::Tensor` handles, read by libtorch ops; libtorch reads a tensor from several
+// threads safely (atomic refcounts). Moving it to another thread is equally safe.
+unsafe impl Send for CppBlock {}
+unsafe impl Sync for CppBlock {}
+
+impl CppBlock {
+    /// Takes the weights by key (the caller validates them: see `BasicTransformerBlock::from_weights`).
+    pub fn from_weights(weights: &[(String, Tensor)], cfg: &BlockConfig) -> Result<Self> {
+        let keys: Vec<CString> = weights
+            .iter()
+            .map(|(k, _)| CString::new(k.as_str()).map_err(|_| Error::config(format!("key {k:?} holds a NUL"))))
+            .collect::<Result<_>>()?;
+        let key_ptrs: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
+        let tensors: Vec<*const C_tensor> = weights.iter().map(|(_, t)| t.as_ptr()).collect();
+        let raw = call(|err, len| {
+            // SAFETY: the arrays hold `weights.len()` live keys and tensors for the whole call;
+            // the C++ side copies the handles it keeps.
+            unsafe {
+                pe_cpp_block_new(
+                    key_ptrs.as_ptr(),
+                    tensors.as_ptr(),
+                    weights.len() as i64,
+                    cfg.dim,
+                    cfg.n_heads,
+                    cfg.d_head,
+                    cfg.context_dim.unwrap_or(cfg.dim),
+                    cfg.gated_ff.into(),
+                    (cfg.attention == Attention::Einsum).into(),
+                    err,
+                    len,
+                )
+            }
+        })?;
+        Ok(CppBlock { raw })
+    }
+
+    /// `forward(const at::Tensor& x, ...)`: out of place.
+    pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
+        // SAFETY: `raw` is live; `x` and `context` outlive the call.
+        call(|err, len| unsafe { pe_cpp_forward(self.raw.as_ptr(), x.as_ptr(), opt(context), err, len) }).map(tensor)
+    }
+
+    /// `forward_owned(at::Tensor x, ...)`: `x` moved in, residuals added into it. The caller
+    /// runs `ownership::check_owned` first: C++ checks nothing of the kind.
+    pub fn forward_owned(&self, mut x: Tensor, context: Option<&Tensor>) -> Result<Tensor> {
+        // SAFETY: as above; the C++ side moves out of `*x`, leaving an undefined tensor that
+        // `x`'s drop frees.
+        call(|err, len| unsafe { pe_cpp_forward_owned(self.raw.as_ptr(), x.as_mut_ptr(), opt(context), err, len) })
+            .map(tensor)
+    }
+
+    /// `n` forwards without leaving C++ (grad off).
+    pub fn forward_loop(&self, x: &Tensor, context: Option<&Tensor>, n: i64, owned: bool) -> Result<Tensor> {
+        // SAFETY: as in `forward`.
+        call(|err, len| unsafe {
+            pe_cpp_forward_loop(self.raw.as_ptr(), x.as_ptr(), opt(context), n, owned.into(), err, len)
+        })
+        .map(tensor)
+    }
+
+    /// Runs every case of `cpp/gallery.cpp` on copies of `x` and `context`:
+    /// `(case, whether its bug happened, what it saw)`; a case that itself failed is `Err`.
+    pub fn gallery(&self, x: &Tensor, context: &Tensor) -> Vec<(String, Result<bool>, String)> {
+        // SAFETY: static strings and a case index in range; `raw`, `x`, `context` are live.
+        (0..unsafe { pe_cpp_case_count() })
+            .map(|i| {
+                let name = unsafe { CStr::from_ptr(pe_cpp_case_name(i)) }.to_string_lossy().into_owned();
+                let mut what = vec![0 as c_char; ERR_LEN];
+                let r = unsafe {
+                    pe_cpp_case_run(i, self.raw.as_ptr(), x.as_ptr(), context.as_ptr(), what.as_mut_ptr(), ERR_LEN)
+                };
+                let what = unsafe { CStr::from_ptr(what.as_ptr()) }.to_string_lossy().into_owned();
+                let result = if r < 0 { Err(Error::Cpp(what.clone())) } else { Ok(r == 1) };
+                (name, result, what)
+            })
+            .collect()
+    }
+}
+
+impl Drop for CppBlock {
+    fn drop(&mut self) {
+        // SAFETY: made by `pe_cpp_block_new`, freed once.
+        unsafe { pe_cpp_block_free(self.raw.as_ptr()) }
+    }
+}
