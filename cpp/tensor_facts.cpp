@@ -5,6 +5,7 @@
 // catches whatever libtorch throws, so no C++ exception can cross into Rust. A tch `Tensor` is a pointer to a heap `at::Tensor`
 // (torch-sys's `C_tensor`), which is what every function takes.
 #include <ATen/core/Tensor.h>
+#include <ATen/autocast_mode.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/PyInterpreter.h>
 #include <cstdint>
@@ -75,6 +76,24 @@ int32_t pe_tensor_facts(const at::Tensor* t, pe_tensor_facts* out) noexcept try 
 
 // c10::GradMode::is_enabled(): the calling thread's grad mode (thread-local in libtorch).
 int32_t pe_grad_mode_enabled() noexcept { return c10::GradMode::is_enabled(); }
+
+// Whether autocast, on the calling thread, turns ops on `weight`'s device type into `t`'s dtype
+// (at::autocast::is_autocast_enabled / get_autocast_dtype): then an input of that dtype is
+// what autocast produces, not a mismatch with the weights.
+int32_t pe_autocast_produces(const at::Tensor* t, const at::Tensor* weight) noexcept try {
+  const at::DeviceType device = weight->device().type();
+  return at::autocast::is_autocast_enabled(device) && at::autocast::get_autocast_dtype(device) == t->scalar_type();
+} catch (...) {
+  return 0;
+}
+
+// TensorImpl's version counter (bumped by every in-place write), or -1 for a tensor without one
+// (inference tensors).
+int64_t pe_version(const at::Tensor* t) noexcept try {
+  return t->_version();
+} catch (...) {
+  return -1;
+}
 
 // The sizes of a dense tensor without a libtorch op: tch's `size()` panics on nested tensors.
 // Returns the number of dimensions (writing at most `cap` sizes), or -1 for a tensor without

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
-use crate::ownership::{check_exclusive, check_owned, dense_size, NoGrad};
+use crate::ownership::{autocast_produces, check_exclusive, check_owned, dense_size, version, NoGrad};
 
 /// Which attention kernel `CrossAttention` uses (`attention=` in the PyTorch block).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -307,6 +307,33 @@ impl BasicTransformerBlock {
         Ok(x)
     }
 
+    /// Every weight, in state_dict order.
+    pub fn weights(&self) -> Vec<&Tensor> {
+        let mut w = Vec::with_capacity(16);
+        for attn in [&self.attn1, &self.attn2] {
+            w.extend([&attn.to_q.weight, &attn.to_k.weight, &attn.to_v.weight, &attn.to_out.weight]);
+            w.extend(attn.to_out.bias.as_ref());
+        }
+        let (project_in, net_2) = match &self.ff.net_0 {
+            ProjectIn::GeGlu(g) => (&g.proj, &self.ff.net_2),
+            ProjectIn::Gelu(l) => (l, &self.ff.net_2),
+        };
+        for lin in [project_in, net_2] {
+            w.push(&lin.weight);
+            w.extend(lin.bias.as_ref());
+        }
+        for n in [&self.norm1, &self.norm2, &self.norm3] {
+            w.extend([&n.weight, &n.bias]);
+        }
+        w
+    }
+
+    /// The sum of the weights' version counters: it changes with every in-place write to a
+    /// weight (an optimizer step, `p.add_(..)`), never otherwise.
+    pub fn weights_version(&self) -> i64 {
+        self.weights().into_iter().map(version).sum()
+    }
+
     /// Checks what libtorch would otherwise reject with a less helpful message.
     pub fn check_inputs(&self, x: &Tensor, context: Option<&Tensor>) -> Result<()> {
         self.check_input("x", x, self.dim)?;
@@ -334,10 +361,10 @@ impl BasicTransformerBlock {
             return Err(Error::input(arg, format!("is empty (shape {size:?}): attention needs a batch and tokens")));
         }
         let kind = t.f_kind()?;
-        if kind != self.kind {
+        if kind != self.kind && !autocast_produces(t, &self.norm1.weight) {
             return Err(Error::input(
                 arg,
-                format!("dtype {kind:?} does not match the block's weights ({:?})", self.kind),
+                format!("dtype {kind:?} does not match the block's weights ({:?}), and autocast is off", self.kind),
             ));
         }
         if t.device() != self.device {

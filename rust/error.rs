@@ -28,6 +28,13 @@ pub enum Error {
     /// caller's alone to give (see `ownership::check_owned`); nothing was written.
     #[error("{arg} refused for an in-place write: it {why}")]
     NotOwned { arg: &'static str, why: Alias },
+    /// An in-place write to a weight (its version counter moved) happened while a forward read
+    /// the weights: the weights are shared with Python, and another thread wrote them.
+    #[error(
+        "the block's weights were written in place while this forward read them (an optimizer step or \
+         p.add_() in another thread?): the result is discarded; do not write the weights during a forward"
+    )]
+    WeightsChanged,
     /// An exception the C++ twin caught (`cpp/capi.cpp`), with its message.
     #[error("{0}")]
     Cpp(String),

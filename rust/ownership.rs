@@ -169,6 +169,8 @@ mod ffi {
         pub fn pe_tensor_facts(t: *const C_tensor, out: *mut TensorFacts) -> i32;
         pub fn pe_grad_mode_enabled() -> i32;
         pub fn pe_dense_sizes(t: *const C_tensor, sizes: *mut i64, cap: i64) -> i64;
+        pub fn pe_autocast_produces(t: *const C_tensor, weight: *const C_tensor) -> i32;
+        pub fn pe_version(t: *const C_tensor) -> i64;
     }
 }
 
@@ -200,6 +202,19 @@ pub fn tensor_facts(t: &Tensor) -> Memory {
 pub fn grad_mode_enabled() -> bool {
     // SAFETY: reads a thread-local flag.
     unsafe { ffi::pe_grad_mode_enabled() != 0 }
+}
+
+/// Whether autocast is on for `weight`'s device type on this thread and casts to `t`'s dtype:
+/// then `t` is what autocast produces (a bf16 activation beside fp32 weights), not a mismatch.
+pub fn autocast_produces(t: &Tensor, weight: &Tensor) -> bool {
+    // SAFETY: as in `tensor_facts`; reads thread-local autocast state.
+    unsafe { ffi::pe_autocast_produces(t.as_ptr(), weight.as_ptr()) != 0 }
+}
+
+/// `t`'s version counter, which every in-place write bumps (-1 for a tensor without one).
+pub fn version(t: &Tensor) -> i64 {
+    // SAFETY: as in `tensor_facts`.
+    unsafe { ffi::pe_version(t.as_ptr()) }
 }
 
 /// The sizes of a dense tensor, or `None` for one that has none (nested and other layouts,

@@ -17,6 +17,7 @@ fn to_py(err: Error) -> PyErr {
     match err {
         Error::Torch(e) => PyRuntimeError::new_err(e.to_string()),
         Error::Cpp(msg) => PyRuntimeError::new_err(msg),
+        Error::WeightsChanged => PyRuntimeError::new_err(Error::WeightsChanged.to_string()),
         other => PyValueError::new_err(other.to_string()),
     }
 }
@@ -30,7 +31,22 @@ struct Twins {
 }
 
 impl Twins {
+    /// Runs `f`, and discards its result if a weight was written in place meanwhile (the
+    /// weights' version counters moved): see `SharedBlock`'s SAFETY note.
+    fn guarded<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let before = self.rust.weights_version();
+        let out = f()?;
+        if self.rust.weights_version() != before {
+            return Err(Error::WeightsChanged);
+        }
+        Ok(out)
+    }
+
     fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
+        self.guarded(|| self.forward_unguarded(x, context))
+    }
+
+    fn forward_unguarded(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
         match &self.cpp {
             None => self.rust.forward(x, context),
             Some(cpp) => {
@@ -41,6 +57,10 @@ impl Twins {
     }
 
     fn forward_owned(&self, x: Tensor, context: Option<&Tensor>, no_grad: &NoGrad) -> Result<Tensor> {
+        self.guarded(|| self.forward_owned_unguarded(x, context, no_grad))
+    }
+
+    fn forward_owned_unguarded(&self, x: Tensor, context: Option<&Tensor>, no_grad: &NoGrad) -> Result<Tensor> {
         match &self.cpp {
             None => self.rust.forward_owned(x, context, no_grad),
             Some(cpp) => {
@@ -54,6 +74,10 @@ impl Twins {
     /// `n` forwards without returning to Python (grad off); `owned` reuses the last output's
     /// buffer as the next input, refilled from `x`.
     fn forward_loop(&self, x: &Tensor, context: Option<&Tensor>, n: usize, owned: bool) -> Result<Tensor> {
+        self.guarded(|| self.forward_loop_unguarded(x, context, n, owned))
+    }
+
+    fn forward_loop_unguarded(&self, x: &Tensor, context: Option<&Tensor>, n: usize, owned: bool) -> Result<Tensor> {
         self.rust.check_inputs(x, context)?;
         if let Some(cpp) = &self.cpp {
             return cpp.forward_loop(x, context, n as i64, owned);
@@ -77,9 +101,19 @@ impl Twins {
 ///
 /// SAFETY: `tch::Tensor` is `!Sync` because some tch methods mutate through `&self`. The only
 /// methods reached through a shared reference (`forward`, `forward_owned`, `forward_loop`) pass
-/// the weights to libtorch ops as read-only inputs; libtorch reads a tensor from several threads
-/// safely (atomic refcounts, no lazy state on a read). Nothing here hands a weight out or
-/// mutates one. (The weights' storage is shared with Python by design: `RustBlock.from_torch`.)
+/// the weights to libtorch ops as read-only inputs, and libtorch reads a tensor from several
+/// threads safely (atomic refcounts, no lazy state on a read). Nothing here hands a weight out
+/// or writes one.
+///
+/// The weights' storage is *not* private: `RustBlock.from_torch` and the swap share it with the
+/// PyTorch module by design, so Python code can write it while Rust reads it. The contract is
+/// eager PyTorch's: do not write a module's parameters while another thread runs its forward.
+/// What breaking it does here: an in-place write (an optimizer step, `p.add_()`) moves the
+/// weights' version counters, and the forward that overlapped it returns `WeightsChanged`
+/// instead of a result computed from torn weights (`Twins::guarded`). Rebinding a parameter
+/// (`p.data = ..`, `.half()`, `.to()`) leaves this block's handles on the old storage, which
+/// they keep alive: no memory is freed under a running forward, and `RustBlock` rebuilds on its
+/// next call.
 struct SharedBlock(Twins);
 unsafe impl Sync for SharedBlock {}
 

@@ -121,3 +121,65 @@ def test_gil_released_during_rust_call(one_intra_op_thread, owned):
     # concurrent build takes a core, like the pure-Python control).
     assert during_rust > 0.25 * alone, f"the counter stalled during the Rust call: GIL held? ({rates})"
     assert during_rust > 3 * during_held, rates
+
+
+def test_a_weight_written_during_a_forward_discards_the_result():
+    """The threading contract (rust/python.rs, SharedBlock): the weights are shared with the
+    PyTorch module, and an in-place write to one while a forward reads them makes that forward
+    raise instead of returning a result from torn weights. Deterministic: a saved-tensor hook runs
+    inside the Rust forward, on its thread, and writes a weight there."""
+    block = small_block()
+    rust = RustBlock.from_torch(block)
+    x, c = small_inputs()
+    x.requires_grad_(True)
+
+    written = []
+
+    def pack(t):
+        if not written:  # once, on a weight no op has saved yet (libtorch refuses writes to t)
+            with torch.no_grad():
+                block.ff.net[2].bias.add_(0.0)  # an in-place write: the version counter moves
+            written.append(True)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with pytest.raises(RuntimeError, match="written in place while this forward read them"):
+            rust(x, c)
+    assert written
+    assert same_bits(rust(x, c), block(x, c))  # usable afterwards, with the same bits as eager
+
+
+def test_concurrent_in_place_writes_raise_or_give_exact_results(one_intra_op_thread):
+    """A writer thread keeps bumping a weight's version (adding 0.0, so the values never change)
+    while readers call forward: each call returns the exact serial bits or raises WeightsChanged,
+    never anything else, and the detection fires."""
+    block = small_block()
+    rust = RustBlock.from_torch(block)
+    x, c = small_inputs()
+    with torch.no_grad():
+        expected = rust(x, c)
+    stop = threading.Event()
+
+    def writer():
+        while not stop.is_set():
+            with torch.no_grad():
+                block.attn1.to_q.weight.add_(0.0)
+
+    w = threading.Thread(target=writer)
+    w.start()
+    outcomes = collections.Counter()
+    try:
+        with torch.no_grad():
+            for _ in range(2000):
+                try:
+                    y = rust(x, c)
+                except RuntimeError as e:
+                    assert "written in place" in str(e), e
+                    outcomes["refused"] += 1
+                    continue
+                assert same_bits(y, expected)
+                outcomes["exact"] += 1
+    finally:
+        stop.set()
+        w.join()
+    assert outcomes["refused"] > 0 and outcomes["exact"] > 0, outcomes
