@@ -25,6 +25,37 @@ REPO = Path(__file__).resolve().parents[2]
 UI = REPO / "tests" / "ui"
 
 
+#: Below this width the tables become one block per row: the row's name and verdict on a line,
+#: then one indented "column: value" line per other cell, so nothing is squeezed a word a line.
+WIDE = 140
+
+
+class Rows:
+    """A table that stays legible in any terminal: a rich Table when the console is wide, one
+    block per row when it is narrow (80 columns)."""
+
+    def __init__(self, *columns: str, key: tuple = (0, -1)) -> None:
+        self.columns, self.key, self.rows = columns, key, []
+
+    def add_row(self, *cells: str) -> None:
+        self.rows.append(cells)
+
+    def print(self, console: Console) -> None:
+        if console.width >= WIDE:
+            t = Table(*self.columns)
+            for r in self.rows:
+                t.add_row(*r)
+            console.print(t)
+            return
+        key = [k % len(self.columns) for k in self.key]
+        for r in self.rows:
+            console.print("  ".join(r[k] for k in key if r[k]))
+            for i, (column, cell) in enumerate(zip(self.columns, r)):
+                if i not in key and cell:
+                    console.print(f"    [dim]{column}:[/] {cell}")
+        console.print()
+
+
 @dataclass
 class Case:
     name: str
@@ -109,18 +140,18 @@ def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> i
 
     console.rule("[bold]1. The caller's tensor (inference)")
     console.print("A caller keeps `skip = x`, calls the block, then reads `skip`.\n")
-    t = Table("strategy", "caller's x after the call", "max |change|", "check")
+    t = Rows("strategy", "caller's x after the call", "max |change|", "check")
     for s in STRATEGIES:
         r = bugs.caller_aliasing(s)
         seen = "[red]MUTATED[/]" if r.caller_mutated else "unchanged"
         t.add_row(s, seen, f"{r.max_change:.3g}", verdict(r.caller_mutated == bugs.EXPECTED[s].caller_mutated, f"aliasing/{s}"))
-    console.print(t)
+    t.print(console)
     shares = bugs.copy_copy_shares_storage()
     console.print(f"copy.copy(x) shares x's storage: [bold]{shares}[/] ({verdict(shares, 'copy.copy')})\n")
 
     console.rule("[bold]2. Autograd (a textual-inversion loop)")
     console.print("learnable embedding -> block -> MSE -> backward -> SGD step, 3 steps; then with CompVis checkpointing.\n")
-    t = Table("strategy", "checkpoint", "result", "check")
+    t = Rows("strategy", "checkpoint", "result", "check", key=(0, 1, -1))
     for ckpt in (False, True):
         for s in STRATEGIES:
             r = bugs.textual_inversion(s, checkpoint=ckpt)
@@ -128,8 +159,8 @@ def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> i
             want = e.training_checkpointed if ckpt else e.training
             ok = (r.error is None and r.embedding_moved) if want is None else (r.error or "").startswith(want)
             shown = "[green]trains[/]" if r.error is None else f"[red]{r.error[:110]}[/]"
-            t.add_row(s, str(ckpt), shown, verdict(ok, f"training/{s}/checkpoint={ckpt}"))
-    console.print(t)
+            t.add_row(s, "checkpointed" if ckpt else "plain", shown, verdict(ok, f"training/{s}/checkpoint={ckpt}"))
+    t.print(console)
     msg = bugs.leaf_iadd()
     console.print(f"iadd on a leaf that requires grad: [red]{msg}[/] ({verdict(msg.startswith(bugs.LEAF), 'leaf')})\n")
 
@@ -145,7 +176,7 @@ def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> i
         from . import _rust
 
         cpp = {name: (happened, what) for name, happened, what in _rust.cpp_gallery()}
-        t = Table("case (tests/ui/)", "PyTorch bug it mirrors", "expected", "rustc said", "fixed twin", "C++ (cpp/gallery.cpp)", "check")
+        t = Rows("case (tests/ui/)", "PyTorch bug it mirrors", "expected", "rustc said", "fixed twin", "C++ (cpp/gallery.cpp)", "check")
         for c in cases:
             codes, _ = found[c.name]
             twin_codes, _ = found[f"{c.name}_fixed"]
@@ -153,7 +184,7 @@ def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> i
             ok = codes[:1] == [c.code] and not twin_codes and happened
             cpp_cell = "compiles; bug at run time" if happened else "[red]no bug?[/]"
             t.add_row(c.name, c.mirrors, c.code, ", ".join(codes) or "compiled!", "compiles" if not twin_codes else ", ".join(twin_codes), cpp_cell, verdict(ok, f"rustc/{c.name}"))
-        console.print(t)
+        t.print(console)
         for c in cases:
             codes, rendered = found[c.name]
             if rendered:
@@ -185,12 +216,12 @@ def _alias_routes(console: Console, verdict) -> None:
         "Each way to reach x's memory through a second name. Run time: what `forward_owned` / `add_in_place` / a "
         "donation did just now (rust/aliases.rs, plusequals.aliases).\n"
     )
-    t = Table("route", "PyTorch `+=`", "rustc", "run time (now)", "check")
+    t = Rows("route", "PyTorch `+=`", "rustc", "run time (now)", "check")
     for row in aliases.table_rows():
         live = row.run_time.startswith(("refused", "written", "ACCEPTED", "route failed"))
         check = verdict(aliases.expected_outcome(row, row.run_time), f"alias/{row.route}") if live else ""
         t.add_row(row.route, row.pytorch, row.rustc, row.run_time, check)
-    console.print(t)
+    t.print(console)
 
 
 def _runtime_mirror(console: Console, verdict) -> None:
