@@ -5,7 +5,7 @@ is still refused. CUDA fp16/bf16 runs with the GPU checks (scripts/gpu_check.sh)
 
 import pytest
 import torch
-from conftest import make_block, make_inputs, rel_err
+from conftest import cuda, make_block, make_inputs, rel_err
 
 from plusequals import CppBlock, RustBlock
 
@@ -57,3 +57,18 @@ def test_swapped_unet_runs_under_autocast_like_eager():
             got = unet(sample, t, ehs).sample
     assert got.dtype == expected.dtype
     assert rel_err(got, expected) <= BF16_BOUND, rel_err(got, expected)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("twin", [RustBlock, CppBlock], ids=["rust", "cpp"])
+def test_forward_under_cuda_autocast_matches_eager(twin, dtype):
+    """On CUDA the kernels autocast picks may differ between calls (cuBLAS heuristics), so the
+    bound is the dtype's: 2**-10 for fp16 (10 mantissa bits), 2**-7 for bf16, relative."""
+    block = make_block().cuda()
+    x, c = make_inputs(tokens=64, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+        expected = block(x, c)
+        got = twin.from_torch(block)(x, c)
+    assert got.dtype == expected.dtype == dtype
+    assert rel_err(got, expected) <= (2**-10 if dtype == torch.float16 else 2**-7)
