@@ -108,12 +108,17 @@ impl Twins {
 /// The weights' storage is *not* private: `RustBlock.from_torch` and the swap share it with the
 /// PyTorch module by design, so Python code can write it while Rust reads it. The contract is
 /// eager PyTorch's: do not write a module's parameters while another thread runs its forward.
-/// What breaking it does here: an in-place write (an optimizer step, `p.add_()`) moves the
-/// weights' version counters, and the forward that overlapped it returns `WeightsChanged`
-/// instead of a result computed from torn weights (`Twins::guarded`). Rebinding a parameter
-/// (`p.data = ..`, `.half()`, `.to()`) leaves this block's handles on the old storage, which
-/// they keep alive: no memory is freed under a running forward, and `RustBlock` rebuilds on its
-/// next call.
+/// What breaking it does here:
+/// * An in-place write (an optimizer step, `p.add_()`) moves the weights' version counters, and
+///   the forward that overlapped it returns `WeightsChanged` instead of a result computed from
+///   torn weights (`Twins::guarded`).
+/// * Rebinding a parameter (`p.data = ..`, which `.half()` and `.to()` use) is not detected
+///   during the forward. pyo3-tch gives this block a handle on the parameter's own `TensorImpl`
+///   (autograd needs that identity for training through Rust), and `set_data` swaps that
+///   `TensorImpl`'s storage in place. Done while a kernel reads the weight, it is the same data
+///   race as in eager PyTorch, where the old storage may be freed under the kernel. Between
+///   calls it is safe: `RustBlock` sees the changed data pointer, dtype or device on its next
+///   call and rebuilds (python/plusequals/faithful.py).
 struct SharedBlock(Twins);
 unsafe impl Sync for SharedBlock {}
 

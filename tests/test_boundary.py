@@ -12,7 +12,9 @@ test_aliases.py, threads and the GIL in test_threads.py; their helpers in bounda
 2. No caller-visible mutation: after every call with ``donate=False`` the caller's tensors
    (and a state_dict's, a module's parameters) are bitwise unchanged; with ``donate=True``,
    a refused call leaves ``x`` unchanged and usable.
-4. Leaks: 10 000 calls grow RSS by < 1 MB (child process); CUDA memory returns to baseline.
+4. Leaks: 10 000 calls grow the native heap by < 4 bytes per call, Python's allocated blocks by
+   < 0.1 per call and RSS by < 1 MB (child process), and planted 8-byte-per-call leaks are
+   caught; CUDA memory returns to baseline.
 5. Shared weights: an optimizer step on the PyTorch block is seen by the RustBlock.
 6. Determinism: same inputs, bitwise same outputs.
 
@@ -792,8 +794,42 @@ def test_fuzz_bad_inputs(entry):
 # ============================================================================ 4. leaks
 
 
+LEAK_WINDOW = 5000  # calls per measurement window; two windows per kind, 10 000 calls
+LEAK_BYTES_PER_CALL = 4  # the threshold: a kind leaks if the heap grows this much per call in every window
+LEAK_BLOCKS_PER_CALL = 0.1  # the same for Python objects (sys.getallocatedblocks)
+
+
+def _native_heap():
+    """glibc's count of the bytes malloc has handed out and not had back (mallinfo2: in-use
+    chunks plus mmap'd chunks), or None where there is no mallinfo2. Exact to the chunk, where
+    RSS moves in pages and only when the heap needs new ones (it misses a 320 KB leak)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    mallinfo2.restype = MallInfo2
+
+    def in_use() -> int:
+        info = mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    return in_use
+
+
 def leak_main() -> dict:
+    import ctypes
+
     import psutil
+
+    from plusequals import ops
 
     torch.set_num_threads(1)
     block = small_block()
@@ -803,6 +839,8 @@ def leak_main() -> dict:
     bad = torch.randn(2, 8, DIM + 1)
     params = dict(block.named_parameters())
     kept = []
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 
     def refused():
         try:
@@ -820,6 +858,10 @@ def leak_main() -> dict:
         with torch.no_grad():
             return rust.forward_owned(x.clone(), c, donate=True)
 
+    def custom_op():
+        with torch.no_grad():
+            return ops.block_forward(x, c, list(rust._weights), *rust._config, rust._slot, None)
+
     kinds = {
         "forward": lambda: rust.forward(x, c),
         "forward_owned": owned,
@@ -828,32 +870,64 @@ def leak_main() -> dict:
         "refused_input": refused,
         "from_state_dict": lambda: RustBlock.from_state_dict(params, dim=DIM, n_heads=HEADS, d_head=D_HEAD,
                                                              context_dim=CTX),
-        "control_leak_1k_per_call": lambda: kept.append(torch.empty(256)),  # must be detected
+        "from_torch": lambda: RustBlock.from_torch(block),
+        "custom_op_forward": custom_op,
+        # The controls, which must be detected: a native 8-byte allocation never freed (a leaked
+        # Box<u64>, a leaked handle struct), and an 8-byte handle kept per call in Python.
+        "control_native_8_bytes": lambda: libc.malloc(8),
+        "control_python_handle_8_bytes": lambda: kept.append(x),
+        "control_rss_1k": lambda: kept.append(torch.empty(256)),  # RSS: 10 MB
     }
+    native = _native_heap()
     proc = psutil.Process()
-    growth = {}
+    report = {"native_available": native is not None, "window": LEAK_WINDOW, "kinds": {}}
     for name, fn in kinds.items():
         for _ in range(1000):
             fn()
-        gc.collect()
+        windows = []
         rss0 = proc.memory_info().rss
-        for _ in range(10_000):
-            fn()
-        gc.collect()
-        growth[name] = proc.memory_info().rss - rss0
-    return growth
+        for _ in range(2):
+            gc.collect()
+            heap0, blocks0 = (native() if native else 0), sys.getallocatedblocks()
+            for _ in range(LEAK_WINDOW):
+                fn()
+            gc.collect()
+            windows.append({"heap_per_call": ((native() if native else 0) - heap0) / LEAK_WINDOW,
+                            "blocks_per_call": (sys.getallocatedblocks() - blocks0) / LEAK_WINDOW})
+        report["kinds"][name] = {"windows": windows, "rss": proc.memory_info().rss - rss0}
+    return report
 
 
 def test_no_leak_10k_calls_cpu():
     """After warm-up, 10 000 calls of each entry point (and of a refused call, a backward
-    through Rust, a block construction) grow RSS by < 1 MB; a control that keeps 1 KiB per call
-    is seen growing (so the measurement can fail). In a child process, for a clean heap."""
-    growth = run_child([str(Path(__file__).resolve()), "leak"], timeout=240)
-    control = growth.pop("control_leak_1k_per_call")
-    assert control > 5 * 2**20, f"the measurement missed a 10 MB leak: {control} bytes"
-    leaks = {k: v for k, v in growth.items() if v >= 2**20}
-    assert not leaks, f"RSS grew by >= 1 MB over 10 000 calls: {leaks} (all: {growth})"
-    assert len(growth) == 6
+    through Rust, block construction, the custom op) in two windows of 5000: the native heap
+    (glibc's in-use bytes) grows by < 4 bytes per call and Python's allocated blocks by < 0.1 per
+    call in at least one window (a leak grows in both; a cache filling up or a table resizing
+    does not), and RSS by < 1 MB. The controls are detected: an 8-byte native allocation per
+    call (32 bytes of heap: glibc's smallest chunk) and an 8-byte handle kept per call in
+    Python (a list slot: ~9 bytes of heap), and a 1 KiB-per-call leak in RSS. In a child
+    process, for a clean heap."""
+    report = run_child([str(Path(__file__).resolve()), "leak"], timeout=300)
+    if not report["native_available"]:
+        pytest.skip("needs glibc's mallinfo2 to count heap bytes (RSS alone misses leaks below a page per call)")
+    kinds = dict(report["kinds"])
+    controls = {name: kinds.pop(name) for name in list(kinds) if name.startswith("control_")}
+
+    def rate(name, key):
+        return min(w[key] for w in report["kinds"][name]["windows"])  # a leak shows in every window
+
+    assert len(kinds) == 8 and len(controls) == 3
+    for name in ("control_native_8_bytes", "control_python_handle_8_bytes"):
+        assert rate(name, "heap_per_call") >= LEAK_BYTES_PER_CALL, (
+            f"the measurement missed {name}: {controls[name]}")
+    assert controls["control_rss_1k"]["rss"] > 5 * 2**20, f"the RSS measurement missed a 10 MB leak: {controls['control_rss_1k']}"
+    assert rate("control_rss_1k", "blocks_per_call") >= LEAK_BLOCKS_PER_CALL, "missed a Python object kept per call"
+    leaks = {name: kind for name, kind in kinds.items()
+             if rate(name, "heap_per_call") >= LEAK_BYTES_PER_CALL or rate(name, "blocks_per_call") >= LEAK_BLOCKS_PER_CALL
+             or kind["rss"] >= 2**20}
+    margins = {name: round(rate(name, "heap_per_call"), 2) for name in controls if name != "control_rss_1k"}
+    assert not leaks, f"leaks: {leaks} (thresholds {LEAK_BYTES_PER_CALL} B, {LEAK_BLOCKS_PER_CALL} blocks per call; " \
+                      f"controls measured {margins} B per call)"
 
 
 @cuda

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from boundary_helpers import same_bits, small_block, small_inputs, snapshot, unchanged
+from conftest import make_block
 
 from plusequals import RustBlock
 
@@ -22,17 +23,37 @@ def one_intra_op_thread():
     torch.set_num_threads(n)
 
 
-def test_threads_bitwise_equal_to_serial(one_intra_op_thread):
-    """8 Python threads x 1000 calls on one RustBlock (forward, forward_owned, donation mixed,
-    inputs shared between threads) give bitwise the results of serial calls."""
-    block = small_block()
+@pytest.fixture(params=["1-intra-op-thread", "default-intra-op-threads"])
+def intra_op_threads(request):
+    """libtorch's intra-op thread count for the test: 1, and the default (the machine's cores),
+    which is what a caller gets without asking."""
+    n = torch.get_num_threads()
+    if request.param == "1-intra-op-thread":
+        torch.set_num_threads(1)
+    yield request.param
+    torch.set_num_threads(n)
+
+
+def test_threads_bitwise_equal_to_serial(intra_op_threads):
+    """8 Python threads on one RustBlock (forward, forward_owned, donation mixed, inputs shared
+    between threads) give bitwise the results of serial calls: 8 x 1000 calls on small blocks
+    with one intra-op thread, and 8 x 60 calls with the default thread count on inputs large
+    enough (65 536 elements, twice libtorch's grain size) that each call also parallelises
+    inside libtorch."""
+    if intra_op_threads == "1-intra-op-thread":
+        block, n_calls = small_block(), 1000
+        inputs = [small_inputs(batch=1 + i % 2, tokens=2 + i % 3, seed=10 + i) for i in range(8)]
+    else:
+        block, n_calls = make_block(64, 4, 16, context_dim=32), 60
+        inputs = [(torch.randn(2, 512, 64, generator=g), torch.randn(2, 7, 32, generator=g))
+                  for g in (torch.Generator().manual_seed(10 + i) for i in range(8))]
+        assert inputs[0][0].numel() >= 2 * 32768
     rust = RustBlock.from_torch(block)
-    inputs = [small_inputs(batch=1 + i % 2, tokens=2 + i % 3, seed=10 + i) for i in range(8)]
     snaps = [(snapshot(x), snapshot(c)) for x, c in inputs]
     serial_forward = [rust.forward(x, c).detach() for x, c in inputs]
     with torch.no_grad():
         serial_owned = [rust.forward_owned(x, c) for x, c in inputs]
-    n_threads, n_calls = 8, 1000
+    n_threads = 8
     barrier = threading.Barrier(n_threads)
     failures, done = [], collections.Counter()
 

@@ -1,16 +1,22 @@
-"""``RustBlock``: the Python face of the Rust twin (``rust/block.rs``, built as ``plusequals._rust``)."""
+"""``RustBlock``: the Python face of the Rust twin (``rust/block.rs``, built as ``plusequals._rust``),
+as a ``torch.nn.Module``.
+
+What a block must be for the Rust block to reproduce it is :mod:`plusequals.faithful` (shared with
+the diffusers swap); how a RustBlock made from a module stays on that module's current weights
+is :meth:`RustBlock._ensure_current` (shared with the swap's replacement, a subclass); what
+``torch.compile``, ``torch.export`` and FakeTensor see is :mod:`plusequals.ops`.
+"""
 
 from __future__ import annotations
 
-import math
 import operator
-from typing import Any, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from . import _rust
-from .blocks import BasicTransformerBlock
+from . import _rust, ops
+from .faithful import CHILDREN, BlockSpec, Reading, UnsupportedBlockError, probe, read_block
 
 
 class DonatedTensor(Tensor):
@@ -51,56 +57,73 @@ def _check_layout(name: str, t: Tensor) -> None:
         raise ValueError(f"{name} must be a dense (strided) tensor, got {kind}")
 
 
-class RustBlock:
-    """The Rust ``BasicTransformerBlock`` on the same weights as a PyTorch one.
+class RustBlock(nn.Module):
+    """The Rust ``BasicTransformerBlock`` on the same weights as a PyTorch one, as a torch module.
 
     * ``forward(x, context=None)``: out of place (``op_plus_x``); differentiable.
     * ``forward_owned(x, context=None, donate=False)``: residuals added in place, grad off;
       the caller's tensor is never mutated unless it is donated.
+
+    Made with :meth:`from_torch`, it takes over the PyTorch block's submodules (``norm1``,
+    ``attn1``, ..., the same objects: no copies), so its ``parameters()`` and ``state_dict()``
+    are the block's, under the CompVis keys, and it follows them: every call checks that what
+    :func:`plusequals.faithful.read_block` read is still there (submodules, parameters,
+    ``eps``, dropout, processors, hooks) and that the parameters' storage, dtype and device are
+    the ones its Rust block was built on; otherwise it reads the block again, rebuilds, or
+    raises :class:`UnsupportedBlockError` naming the cause. It never computes with old weights.
+    Made with :meth:`from_state_dict`, it computes with the tensors of that mapping (rebuilt
+    if their storage, dtype or device change).
+
+    Under ``torch.compile``, ``torch.export`` or FakeTensor, it calls the custom ops of
+    :mod:`plusequals.ops`, which take the weights as arguments.
     """
 
     LANGUAGE = "rust"  # which twin computes: rust/block.rs, or cpp/block.cpp (CppBlock)
 
-    def __init__(self, inner: _rust.Block, device: Optional[torch.device] = None) -> None:
-        self._block = inner
+    def __init__(self, inner: Any = None, device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        self._twin = ops.Twin(inner)
+        self._slot = self._twin.id
         self._device = device
+        self._config: Optional[ops.Config] = None  # the custom ops' config (spec + language)
+        self._spec: Optional[BlockSpec] = None
+        self._weights: Optional[Tuple[Tensor, ...]] = None  # the tensors it computes with now
+        # Following a module (from_torch, the swap): the module, and the last reading of it.
+        self.__dict__["_source"] = None  # not registered: its submodules are (see _adopt)
+        self._reading: Optional[Reading] = None
+        self._source_kids: Dict[str, Any] = {}
+        self._paths: Tuple[str, ...] = ()  # the weights as attribute paths (traced calls)
+        self._guards: List[tuple] = []  # what a traced call compares (torch.compile guards on it)
+        self._probe_pending = False
+
+    @property
+    def _block(self) -> Any:
+        """The Rust block it computes with (``_rust.Block``)."""
+        return self._twin.inner
+
+    # -- construction ----------------------------------------------------------------------------
 
     @classmethod
-    def from_torch(cls, block: BasicTransformerBlock) -> "RustBlock":
-        """Shares ``block``'s parameters (no copies): an optimizer step on ``block`` is seen here,
-        and gradients of ``forward`` reach ``block``'s parameters."""
-        try:
-            attn1 = block.attn1
-            n_heads = attn1.heads
-            d_head = attn1.to_q.out_features // n_heads
-            config = dict(
-                dim=attn1.to_q.in_features,
-                n_heads=n_heads,
-                d_head=d_head,
-                context_dim=block.attn2.to_k.in_features,
-                gated_ff=hasattr(block.ff.net[0], "proj"),
-                attention=getattr(attn1, "attention", "sdpa"),
-            )
-            weights = dict(block.named_parameters())
-        except (AttributeError, TypeError, IndexError, ZeroDivisionError) as e:
-            raise TypeError(
-                f"block must be a BasicTransformerBlock (CompVis layout), got {type(block).__name__}: {e}"
-            ) from e
-        # What the Rust block derives rather than reads: one head count, and the softmax scale.
-        attn2_heads = getattr(block.attn2, "heads", n_heads)
-        if attn2_heads != n_heads:
-            raise ValueError(
-                f"block's attn1 has {n_heads} heads but its attn2 has {attn2_heads} heads: the Rust block "
-                "uses one head count for both attentions"
-            )
-        for name in ("attn1", "attn2"):
-            scale = getattr(getattr(block, name), "scale", None)
-            if d_head > 0 and scale is not None and not math.isclose(scale, d_head**-0.5, rel_tol=1e-12):
-                raise ValueError(
-                    f"block's {name}.scale is {scale}, but the Rust block uses d_head ** -0.5 = {d_head**-0.5} "
-                    f"(d_head {d_head})"
-                )
-        return cls.from_state_dict(weights, **config)
+    def from_torch(cls, block: nn.Module) -> "RustBlock":
+        """Takes over ``block``'s submodules and parameters (no copies) and follows them: an
+        optimizer step, ``load_state_dict`` (also with ``assign=True``), ``.to()``, ``.half()``
+        or a replaced parameter on ``block`` is seen here, and gradients of ``forward`` reach
+        ``block``'s parameters. Refuses, with a ``ValueError`` naming the cause, a block the
+        Rust block cannot reproduce exactly (:mod:`plusequals.faithful`)."""
+        reading = read_block(block)
+        if reading.reasons:
+            raise ValueError(f"{cls.__name__}.from_torch cannot reproduce this block exactly: {'; '.join(reading.reasons)}")
+        rb = cls()
+        rb._adopt(block, error=ValueError)
+        return rb
+
+    def _adopt(self, block: nn.Module, error: type = UnsupportedBlockError) -> None:
+        """Registers ``block``'s six submodules here, follows ``block``, builds the Rust block."""
+        for name in [n for n in block._modules if n in CHILDREN] + [n for n in CHILDREN if n not in block._modules]:
+            self._modules[name] = block._modules.get(name)  # in the block's order: same state_dict
+        self.__dict__["_source"] = block
+        self._source_kids = {name: block._modules.get(name) for name in CHILDREN}
+        self._ensure_current(error)
 
     @classmethod
     def from_state_dict(
@@ -115,34 +138,118 @@ class RustBlock:
         attention: str = "sdpa",
     ) -> "RustBlock":
         """Builds the block from CompVis keys; missing, extra or mis-shaped keys raise ``ValueError``."""
-        if not isinstance(weights, Mapping):
-            raise TypeError(f"weights must be a mapping of str to torch.Tensor, got {type(weights).__name__}")
-        for key, value in weights.items():
-            if not isinstance(key, str):
-                raise TypeError(f"weight key {key!r} must be a str, got {type(key).__name__}")
-            if not isinstance(value, Tensor):
-                raise TypeError(f"weight {key!r} must be a torch.Tensor, got {type(value).__name__}")
-            if isinstance(value, DonatedTensor):
-                raise RuntimeError(f"weight {key!r} is a donated tensor: use the tensor forward_owned returned")
-            _check_layout(f"weight {key!r}", value)
+        inner, device = _validated_inner(weights, cls.LANGUAGE, dim=dim, n_heads=n_heads, d_head=d_head,
+                                         context_dim=context_dim, gated_ff=gated_ff, attention=attention)
+        rb = cls(inner, device)
         dims = _check_dims(dim=dim, n_heads=n_heads, d_head=d_head, context_dim=context_dim)
-        device = _check_weight_types(weights)
-        inner = _rust.Block(
-            dict(weights),
-            **dims,
-            gated_ff=gated_ff,
-            attention=attention,
-            language=cls.LANGUAGE,
-        )
-        return cls(inner, device)
+        rb._set_spec(BlockSpec(gated_ff=bool(gated_ff), attention=attention, **dims))
+        rb._weights = tuple(weights[k] for k in rb._spec.keys)
+        rb._twin.set(inner, rb._weights, rb._config)
+        return rb
+
+    def _set_spec(self, spec: BlockSpec) -> None:
+        self._spec = spec
+        self._config = (spec.dim, spec.n_heads, spec.d_head, spec.context_dim, spec.gated_ff, spec.attention,
+                        self.LANGUAGE)
+
+    # -- following the module -----------------------------------------------------------------
+
+    def _where(self) -> str:
+        return type(self).__name__
+
+    def _reread(self, error: type = UnsupportedBlockError, traced: bool = False) -> None:
+        """Reads the followed block again. A submodule replaced on the block is taken over
+        (one replaced here is kept); a reason to refuse raises ``error``. ``traced``: at trace
+        time (the parameters may be fake tensors), only what a traced call needs is kept."""
+        source = self._source
+        for name in CHILDREN:
+            now = source._modules.get(name)
+            if now is not self._source_kids.get(name):
+                self._modules[name] = now
+        self._source_kids = {name: source._modules.get(name) for name in CHILDREN}
+        reading = read_block(source, {name: self._modules.get(name) for name in CHILDREN}, owner=self)
+        if reading.reasons:
+            self._reading = None
+            raise error(
+                f"{self._where()}: the Rust block cannot reproduce this block exactly: {'; '.join(reading.reasons)}. "
+                "It computes the SD v1 block (see plusequals.faithful) and calls no submodule."
+            )
+        self._set_spec(reading.spec)
+        self._paths = reading.paths
+        self._guards = [(obj, name, value, not isinstance(value, _SCALARS)) for obj, name, value in reading.watch.attrs]
+        if traced:
+            self._reading = None  # the next eager call reads again, on the real parameters
+            return
+        self._reading = reading
+        self._weights = tuple(reading.weights())
+        self._probe_pending = bool(reading.unknown)
+
+    def _ensure_current(self, error: type = UnsupportedBlockError) -> None:
+        """The eager check before each call (module docstring): a few microseconds when nothing changed."""
+        if self._source is not None:
+            reading = self._reading
+            if reading is None or not reading.watch.unchanged():
+                self._reread(error)
+        weights = self._weights
+        if weights is None:
+            return  # a raw Rust block (RustBlock(inner)): nothing to follow
+        if not self._twin.fresh(weights, self._config):
+            spec = self._spec
+            inner, self._device = _validated_inner(dict(zip(spec.keys, weights)), self.LANGUAGE, **spec.config())
+            self._twin.set(inner, weights, self._config)
+        if self._probe_pending:
+            reason = probe(self._source, self._twin.inner.forward, self._spec, weights[0])
+            if reason:
+                classes = ", ".join(self._reading.unknown)
+                self._reading = None
+                raise error(f"{self._where()}: the block's classes ({classes}) are not ones this crate knows, and {reason}")
+            self._probe_pending = False
+
+    @torch.compiler.assume_constant_result
+    def _check_for_trace(self) -> int:
+        """Under torch.compile, run once at trace time: the block is read again if it changed
+        (refusals raise there). The weights themselves reach the custom op as arguments."""
+        reading = self._reading
+        if reading is None or not reading.watch.unchanged():
+            self._reread(traced=True)
+        return 0
+
+    def _traced_weights(self) -> List[Tensor]:
+        """The weights for a custom-op call, read through the module (so a traced graph takes
+        them as inputs), after the structure check."""
+        if self._source is not None:
+            self._check_for_trace()
+            for obj, name, value, by_identity in self._guards:  # torch.compile guards on each
+                now = getattr(obj, name, None)
+                if (now is not value) if by_identity else (now != value):
+                    raise UnsupportedBlockError(f"{self._where()}: {type(obj).__name__}.{name} changed while traced")
+            return [self.get_parameter(path) for path in self._paths]
+        if self._weights is None:
+            raise RuntimeError(
+                f"this {type(self).__name__} wraps a raw Rust block and has no weights to pass to the custom ops: "
+                "build it with from_torch or from_state_dict to trace it (torch.compile, torch.export, FakeTensor)"
+            )
+        return list(self._weights)
+
+    def _op_args(self, x: Tensor, context: Optional[Tensor]) -> tuple:
+        weights = self._traced_weights()
+        device = weights[0].device
+        _check_tensor("x", x, device=device)
+        _check_tensor("context", context, optional=True, device=device)
+        dim, n_heads, d_head, context_dim, gated_ff, attention, language = self._config
+        return (x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language, self._slot,
+                _autocast_dtype(x))
+
+    # -- the entry points -----------------------------------------------------------------------
 
     def forward(self, x: Tensor, context: Optional[Tensor] = None) -> Tensor:
         """``x = op(norm(x)) + x`` three times, in Rust; ``x`` is only read."""
+        if torch.compiler.is_compiling() or _symbolic(x, context):
+            return ops.block_forward(*self._op_args(x, context))
+        self._ensure_current()
         _check_tensor("x", x, device=self._device)
         _check_tensor("context", context, optional=True, device=self._device)
-        return _run_under_saved_tensor_hooks(self._block.forward, x, context)
-
-    __call__ = forward
+        return _run_under_saved_tensor_hooks(self._twin.inner.forward, x, context)
 
     def forward_owned(self, x: Tensor, context: Optional[Tensor] = None, donate: bool = False) -> Tensor:
         """``x += op(norm(x))`` three times, in Rust, with grad mode off.
@@ -151,8 +258,12 @@ class RustBlock:
         ``donate=True``: writes into ``x``'s buffer and returns it under a new handle; ``x``
         itself is invalidated (any later use raises). ``x`` must then own its storage alone.
         """
-        _check_tensor("x", x, device=self._device)
-        _check_tensor("context", context, optional=True, device=self._device)
+        traced = torch.compiler.is_compiling() or _symbolic(x, context)
+        if not traced:
+            self._ensure_current()
+        device = None if traced else self._device
+        _check_tensor("x", x, device=device)
+        _check_tensor("context", context, optional=True, device=device)
         if torch.is_grad_enabled():
             for name, t in (("x", x), ("context", context)):
                 if t is not None and t.requires_grad:
@@ -162,11 +273,22 @@ class RustBlock:
                         "(the textual-inversion bug). Use forward() to train, or call forward_owned under "
                         "torch.no_grad() / torch.inference_mode()."
                     )
+        if traced:
+            if donate:
+                raise RuntimeError(
+                    "forward_owned(donate=True) cannot be traced (torch.compile, torch.export, FakeTensor): a donated "
+                    "tensor is invalidated in Python, which a graph cannot express; pass donate=False (the compiler "
+                    "may still reuse the buffer)"
+                )
+            args = self._op_args(x, context)
+            y = x.clone(memory_format=torch.contiguous_format)
+            ops.block_forward_owned_(y, *args[1:])
+            return y
         if donate:
             _check_donatable(x, context)
         # With donate=True, Rust checks again from libtorch's own counts and, holding the GIL,
         # moves the buffer out of x (x becomes an empty tensor) before it writes.
-        y = self._block.forward_owned(x, context, donate=bool(donate))
+        y = self._twin.inner.forward_owned(x, context, donate=bool(donate))
         if donate:
             x.__class__ = DonatedTensor
         return y
@@ -177,9 +299,32 @@ class RustBlock:
             raise TypeError(f"n must be an int, got {type(n).__name__}")
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
+        self._ensure_current()
         _check_tensor("x", x, device=self._device)
         _check_tensor("context", context, optional=True, device=self._device)
-        return self._block.forward_loop(x, context, n=n, owned=owned)
+        return self._twin.inner.forward_loop(x, context, n=n, owned=owned)
+
+    def extra_repr(self) -> str:
+        spec = self._spec
+        if spec is None:
+            return "raw"
+        return (f"dim={spec.dim}, n_heads={spec.n_heads}, d_head={spec.d_head}, context_dim={spec.context_dim}, "
+                f"gated_ff={spec.gated_ff}, attention={spec.attention!r}")
+
+    # The Rust handle is neither picklable nor deep-copyable: a copy (copy.deepcopy, pickle) gets
+    # a new, empty twin and builds its own on first use (on the copied parameters).
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.update(_reading=None, _guards=[], _source_kids={}, _probe_pending=False)
+        if state.get("_source") is not None:
+            state["_weights"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__["_slot"] = self._twin.id
+        if self._source is not None:
+            self._source_kids = {name: self._source._modules.get(name) for name in CHILDREN}
 
 
 class CppBlock(RustBlock):
@@ -193,6 +338,54 @@ class CppBlock(RustBlock):
     """
 
     LANGUAGE = "cpp"
+
+
+_SCALARS = (int, float, str, bool, tuple, type(None))
+
+_MODE_KEYS = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE", "PROXY", "FUNCTIONAL")
+                   if hasattr(torch._C._TorchDispatchModeKey, k))
+
+
+_PLAIN = (Tensor, nn.Parameter, type(None))
+
+
+def _symbolic(x: object, context: object) -> bool:
+    """Whether the call is traced or fake (a FakeTensor or functional tensor, or a fake, proxy or
+    functional dispatch mode active): then the custom op runs, with its fake implementation."""
+    if torch._C._len_torch_dispatch_stack() and any(torch._C._get_dispatch_mode(k) is not None for k in _MODE_KEYS):
+        return True
+    if type(x) in _PLAIN and type(context) in _PLAIN:
+        return False
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(x, (FakeTensor, FunctionalTensor)) or isinstance(context, (FakeTensor, FunctionalTensor))
+
+
+def _autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
+    device_type = x.device.type
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _validated_inner(weights: Mapping[str, Tensor], language: str, *, dim, n_heads, d_head, context_dim=None,
+                     gated_ff=True, attention="sdpa") -> Tuple[Any, Optional[torch.device]]:
+    """``from_state_dict``'s checks, then the Rust (or C++) block: (block, the weights' device)."""
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"weights must be a mapping of str to torch.Tensor, got {type(weights).__name__}")
+    for key, value in weights.items():
+        if not isinstance(key, str):
+            raise TypeError(f"weight key {key!r} must be a str, got {type(key).__name__}")
+        if not isinstance(value, Tensor):
+            raise TypeError(f"weight {key!r} must be a torch.Tensor, got {type(value).__name__}")
+        if isinstance(value, DonatedTensor):
+            raise RuntimeError(f"weight {key!r} is a donated tensor: use the tensor forward_owned returned")
+        _check_layout(f"weight {key!r}", value)
+    dims = _check_dims(dim=dim, n_heads=n_heads, d_head=d_head, context_dim=context_dim)
+    device = _check_weight_types(weights)
+    inner = _rust.Block(dict(weights), **dims, gated_ff=gated_ff, attention=attention, language=language)
+    return inner, device
 
 
 def _check_donatable(x: Tensor, context: Optional[Tensor]) -> None:

@@ -1,0 +1,318 @@
+"""The Rust (and C++) block as ``torch.library`` custom ops: what ``torch.compile``, ``torch.export``
+and FakeTensor see of a ``RustBlock``.
+
+* ``plusequals::block_forward(x, context, weights, ...) -> Tensor``: ``op_plus_x`` in Rust. It
+  has a fake (meta) implementation and an autograd formula (below).
+* ``plusequals::block_forward_owned_(x!, context, weights, ...) -> ()``: the in-place residuals,
+  written into ``x`` (the mutation is declared: ``mutates_args=("x",)``). It has a fake
+  implementation and no autograd formula (``forward_owned`` is a no-grad entry point).
+* ``plusequals::block_backward(grad, x, context, weights, ..., needs) -> Tensor[]``: the
+  gradients of ``block_forward``. Its implementation runs the Rust forward again on detached
+  leaves under grad mode and asks libtorch's autograd (the same graph, so the same bits as
+  differentiating ``RustBlock.forward`` directly), then returns the gradients asked for. One
+  forward more per backward is the price of an op that is opaque to the compiler.
+
+The weights are arguments (a ``Tensor[]`` in :func:`plusequals.faithful.rust_keys` order), so a
+traced graph always passes the weights the module holds *now*; ``slot`` names the :class:`Twin`
+of the ``RustBlock`` that made the call, whose Rust block is reused while it still stands on
+exactly those tensors (:meth:`Twin.fresh`) and rebuilt otherwise. An unknown or dead slot
+(an exported program run after its module is gone) only means a build per call.
+
+``autocast`` is the autocast dtype at the call (``None``: autocast off). Inside a custom op
+libtorch turns autocast off, and a compiled graph calls the op outside the autocast region it
+was traced in; the implementations therefore set autocast from this argument, so the op
+computes the same function wherever it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import operator
+import weakref
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .faithful import rust_keys
+
+__all__ = ["Twin", "block_backward", "block_forward", "block_forward_owned_"]
+
+Config = Tuple[int, int, int, Optional[int], bool, str, str]  # dim, n_heads, d_head, context_dim, gated_ff, attention, language
+
+
+# --------------------------------------------------------------------------------------------
+# Twins: a Rust block, and the tensors it was built on
+# --------------------------------------------------------------------------------------------
+
+_TWINS: "weakref.WeakValueDictionary[int, Twin]" = weakref.WeakValueDictionary()
+_IDS = itertools.count(1)
+
+
+def _facts(ws: Sequence[Tensor]) -> tuple:
+    """What a Rust block bakes in about its weights: where they are (their storage), their
+    dtype and device. The Rust block holds the same TensorImpls as Python, so it sees anything
+    else (new values, an optimizer step) live. One dtype and device for all (the build checks
+    it); a single tensor moved or cast gets new storage while its old one is still alive, so
+    its address changes."""
+    if not ws:
+        return ((), None, None)
+    return (tuple(map(Tensor.data_ptr, ws)), ws[0].dtype, ws[0].device)
+
+
+class Twin:
+    """One ``RustBlock``'s Rust block and what it stands on: the weight tensors, their
+    :func:`_facts` at the build, and the configuration. Registered under ``id`` (weakly) for
+    the custom ops. A copy (``copy.deepcopy``, pickling) is a new, empty twin."""
+
+    __slots__ = ("id", "inner", "weights", "facts", "config", "__weakref__")
+
+    def __init__(self, inner: Any = None) -> None:
+        self.id = next(_IDS)
+        self.inner = inner
+        self.weights: Optional[Tuple[Tensor, ...]] = None
+        self.facts: Optional[tuple] = None
+        self.config: Optional[Config] = None
+        _TWINS[self.id] = self
+
+    def set(self, inner: Any, weights: Sequence[Tensor], config: Config) -> None:
+        weights = weights if isinstance(weights, tuple) else tuple(weights)
+        self.inner, self.weights, self.facts, self.config = inner, weights, _facts(weights), config
+
+    def fresh(self, weights: Sequence[Tensor], config: Config) -> bool:
+        """Whether ``inner`` computes with exactly ``weights`` under ``config``: the tensors it was
+        built on are unchanged (no ``.data =``, ``.half()``, ``.to()`` since) and ``weights`` are
+        those tensors, or other handles on the same memory with the same dtype and device."""
+        ws = self.weights
+        if ws is None or config != self.config or len(ws) != len(weights):
+            return False
+        facts = _facts(ws)
+        if facts != self.facts:
+            return False
+        return weights is ws or all(map(operator.is_, ws, weights)) or _facts(weights) == facts
+
+    def __deepcopy__(self, memo: dict) -> "Twin":
+        return Twin()
+
+    def __reduce__(self):
+        return (Twin, ())
+
+
+def build(weights: Sequence[Tensor], config: Config) -> Any:
+    """A Rust (or C++) block on ``weights``, through ``RustBlock``'s own validation."""
+    from .rust import _validated_inner
+
+    dim, n_heads, d_head, context_dim, gated_ff, attention, language = config
+    inner, _ = _validated_inner(dict(zip(rust_keys(gated_ff), weights)), language, dim=dim, n_heads=n_heads,
+                                d_head=d_head, context_dim=context_dim, gated_ff=gated_ff, attention=attention)
+    return inner
+
+
+def _inner_for(weights: Sequence[Tensor], config: Config, slot: int) -> Any:
+    twin = _TWINS.get(slot)
+    if twin is not None and twin.fresh(weights, config):
+        return twin.inner
+    inner = build(weights, config)
+    if twin is not None:
+        twin.set(inner, weights, config)
+    return inner
+
+
+@contextlib.contextmanager
+def _autocast(device_type: str, dtype: Optional[torch.dtype]):
+    if device_type not in ("cpu", "cuda"):
+        yield
+    elif dtype is None:
+        with torch.autocast(device_type, enabled=False):
+            yield
+    else:
+        with torch.autocast(device_type, dtype=dtype):
+            yield
+
+
+_AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, k) for k in (
+    "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView"))
+
+
+@contextlib.contextmanager
+def _autograd_on():
+    """Undoes what a custom op's dispatch does to the thread's key set (autograd excluded), so
+    that the Rust forward inside ``block_backward`` records a graph."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield
+
+
+def out_dtype(x_dtype: torch.dtype, autocast: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype of the block's output: ``x``'s, or under autocast what ``op(norm(x)) + x``
+    promotes to (autocast runs the linear layers in its dtype; LayerNorm in fp32)."""
+    if autocast is None or x_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return x_dtype
+    return torch.promote_types(x_dtype, autocast)
+
+
+# --------------------------------------------------------------------------------------------
+# plusequals::block_forward
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("plusequals::block_forward", mutates_args=())
+def block_forward(
+    x: Tensor,
+    context: Optional[Tensor],
+    weights: List[Tensor],
+    dim: int,
+    n_heads: int,
+    d_head: int,
+    context_dim: Optional[int],
+    gated_ff: bool,
+    attention: str,
+    language: str,
+    slot: int,
+    autocast: Optional[torch.dtype],
+) -> Tensor:
+    """``RustBlock.forward``: ``x = op(norm(x)) + x`` three times, in Rust (or C++)."""
+    inner = _inner_for(weights, (dim, n_heads, d_head, context_dim, gated_ff, attention, language), slot)
+    with torch.no_grad(), _autocast(x.device.type, autocast):
+        y = inner.forward(x, context)
+    return y.contiguous()
+
+
+def check_inputs(x: Tensor, context: Optional[Tensor], weights: Sequence[Tensor], dim: int, context_dim: Optional[int],
+                 autocast: Optional[torch.dtype]) -> None:
+    """What the Rust block checks first (rust/block.rs, check_inputs), for the fake
+    implementations: a traced call is refused where the real one would be, with the same words."""
+    width = dim if context_dim is None else context_dim
+    kind = weights[0].dtype if weights else None
+    for name, t, w in (("x", x, dim), ("context", context, width)):
+        if t is None:
+            if name == "context" and width != dim:
+                raise ValueError(f"context is required: the block's cross-attention expects width {width}")
+            continue
+        if t.dim() != 3 or t.shape[-1] != w:
+            raise ValueError(f"{name} expected shape (batch, tokens, {w}), got {list(t.shape)}")
+        if kind is not None and t.dtype != kind and t.dtype != autocast:
+            raise ValueError(f"{name} dtype {t.dtype} does not match the block's weights ({kind}), and autocast is "
+                             + ("off" if autocast is None else f"{autocast}"))
+    if context is not None and context.shape[0] != x.shape[0]:
+        raise ValueError(f"context batch {context.shape[0]} does not match x's batch {x.shape[0]}")
+
+
+@block_forward.register_fake
+def _block_forward_fake(x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language, slot,
+                        autocast):
+    check_inputs(x, context, weights, dim, context_dim, autocast)
+    return x.new_empty(x.shape, dtype=out_dtype(x.dtype, autocast))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language, slot, autocast = inputs
+    ctx.save_for_backward(x, context, *weights)
+    ctx.config = (dim, n_heads, d_head, context_dim, gated_ff, attention, language)
+    ctx.autocast = autocast
+    ctx.needs = (x.requires_grad, context is not None and context.requires_grad, [w.requires_grad for w in weights])
+
+
+def _backward(ctx, grad: Tensor):
+    x, context, *weights = ctx.saved_tensors
+    need_x, need_context, need_weights = ctx.needs
+    grads = block_backward(grad, x, context, weights, *ctx.config, ctx.autocast, need_x, need_context, need_weights)
+    gx = grads[0] if need_x else None
+    gc = grads[1] if need_context else None
+    gw = [g if n else None for g, n in zip(grads[2:], need_weights)]
+    return (gx, gc, gw) + (None,) * 9
+
+
+block_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# plusequals::block_backward
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("plusequals::block_backward", mutates_args=())
+def block_backward(
+    grad: Tensor,
+    x: Tensor,
+    context: Optional[Tensor],
+    weights: List[Tensor],
+    dim: int,
+    n_heads: int,
+    d_head: int,
+    context_dim: Optional[int],
+    gated_ff: bool,
+    attention: str,
+    language: str,
+    autocast: Optional[torch.dtype],
+    need_x: bool,
+    need_context: bool,
+    need_weights: List[bool],
+) -> List[Tensor]:
+    """The gradients of ``block_forward`` for x, context and each weight (an empty tensor where
+    not asked for): the Rust forward again, on detached leaves, differentiated by libtorch."""
+    config = (dim, n_heads, d_head, context_dim, gated_ff, attention, language)
+    needs = [need_x, need_context and context is not None, *need_weights]
+    with _autograd_on():
+        xl = x.detach().requires_grad_(need_x)
+        cl = None if context is None else context.detach().requires_grad_(need_context)
+        wl = [w.detach().requires_grad_(n) for w, n in zip(weights, need_weights)]
+        inner = build(wl, config)
+        with _autocast(x.device.type, autocast):
+            y = inner.forward(xl, cl)
+        leaves = [t for t, n in zip([xl, cl, *wl], needs) if n]
+        found = iter(torch.autograd.grad(y, leaves, grad, allow_unused=True) if leaves else ())
+    out = []
+    for t, n in zip([x, context, *weights], needs):
+        if n:
+            g = next(found)
+            out.append((torch.zeros_like(t) if g is None else g).contiguous())
+        else:
+            out.append(x.new_empty(0))
+    return out
+
+
+@block_backward.register_fake
+def _block_backward_fake(grad, x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language,
+                         autocast, need_x, need_context, need_weights):
+    needs = [need_x, need_context and context is not None, *need_weights]
+    return [t.new_empty(t.shape) if n else x.new_empty(0) for t, n in zip([x, context, *weights], needs)]
+
+
+# --------------------------------------------------------------------------------------------
+# plusequals::block_forward_owned_
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("plusequals::block_forward_owned_", mutates_args=("x",))
+def block_forward_owned_(
+    x: Tensor,
+    context: Optional[Tensor],
+    weights: List[Tensor],
+    dim: int,
+    n_heads: int,
+    d_head: int,
+    context_dim: Optional[int],
+    gated_ff: bool,
+    attention: str,
+    language: str,
+    slot: int,
+    autocast: Optional[torch.dtype],
+) -> None:
+    """``RustBlock.forward_owned``: ``x += op(norm(x))`` three times, the result left in ``x``.
+    (Rust's ownership check sees the handles a dispatcher call keeps on ``x``, so Rust works on
+    its own copy, and the result is copied back.)"""
+    inner = _inner_for(weights, (dim, n_heads, d_head, context_dim, gated_ff, attention, language), slot)
+    with torch.no_grad(), _autocast(x.device.type, autocast):
+        y = inner.forward_owned(x, context, donate=False)
+        x.copy_(y)
+
+
+@block_forward_owned_.register_fake
+def _block_forward_owned_fake(x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language,
+                              slot, autocast):
+    check_inputs(x, context, weights, dim, context_dim, autocast)
+    return None
