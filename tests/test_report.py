@@ -1,15 +1,19 @@
-"""`python -m plusequals report --quick --device cpu`: files, numbers traceable to results.json,
-and results written as they come."""
+"""`python -m plusequals report --quick --device cpu`: files; every cell timed in seeded,
+shuffled rounds; times and paired ratios recomputable from the raw rounds; each REPORT.md table
+cell checked against its own row and column of results.json; results written as they come."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
+from plusequals import bench
 from plusequals.report import NUMBER, fmt
 
 
@@ -56,23 +60,207 @@ def test_writes_report_results_and_plots(quick_report):
         assert v in variants
     assert len(data["results"]) == len(variants) * len(data["config"]["shapes"]) * len(data["config"]["batches"])
     for r in data["results"]:
-        assert r["median_ms"] > 0 and r["iqr_ms"] >= 0 and r["runs"] >= 1, r
+        assert r["median_ms"] > 0 and r["iqr_ms"] >= 0 and r["rounds"] >= 5 and len(r["rounds_ms"]) == r["rounds"], r
     assert data["ceilings"]["gemm_tflops"] > 0 and data["ceilings"]["copy_gbps"] > 0
     assert {t["target"] for t in data["targets"]} and all(t["status"] for t in data["targets"])
 
 
-def test_every_number_in_the_report_is_in_results_json(quick_report):
+# ----------------------------------------------------------------------------- rounds in results.json
+def test_every_cell_was_timed_in_seeded_shuffled_rounds(quick_report):
+    data = json.loads((quick_report / "results.json").read_text())
+    cells = data["cells"]
+    assert len(cells) == len(data["config"]["shapes"]) * len(data["config"]["batches"])
+    assert len({c["seed"] for c in cells}) == len(cells)
+    for c in cells:
+        probes = set(c["raw_ms"])
+        assert data["config"]["max_rounds"] >= c["rounds"] >= data["config"]["rounds"] >= 5
+        assert len(c["orders"]) == c["rounds"] and all(set(o) == probes and len(o) == len(probes) for o in c["orders"])
+        assert len({tuple(o) for o in c["orders"]}) > 1, "one order for every round: not shuffled"
+        assert c["orders"] == bench.shuffled_orders(list(c["raw_ms"]), data["config"]["max_rounds"], c["seed"])[: c["rounds"]]
+        assert all(len(ts) == c["rounds"] for ts in c["raw_ms"].values())
+        assert {"echo", "echo_checked", "eager/op_plus_x", "reset:eager/iadd", "reset:rust/forward_owned_donate"} <= probes
+
+
+def test_times_and_ratios_are_recomputable_from_the_raw_rounds(quick_report):
+    """Each row's per-round times are its raw samples less its reset's sample from the same round
+    (divided by the forwards per call); its median and IQR are theirs; each paired ratio is the
+    median of the per-round ratios."""
+    data = json.loads((quick_report / "results.json").read_text())
+    cells = {(c["batch"], c["shape"]): c for c in data["cells"]}
+    rows = {(r["batch"], r["shape"], r["variant"]): r for r in data["results"]}
+    for r in data["results"]:
+        raw = cells[r["batch"], r["shape"]]["raw_ms"]
+        reset = raw[r["reset_probe"]] if r["reset_probe"] else [0.0] * r["rounds"]
+        want = [(t - z) / r["forwards_per_call"] for t, z in zip(raw[r["variant"]], reset)]
+        assert r["rounds_ms"] == pytest.approx(want)
+        q1, q3 = np.quantile(want, [0.25, 0.75])
+        assert (r["median_ms"], r["iqr_ms"]) == pytest.approx((np.median(want), q3 - q1))
+    assert data["paired"]
+    for p in data["paired"]:
+        a, b = rows[p["batch"], p["shape"], p["variant"]], rows[p["batch"], p["shape"], p["vs"]]
+        ratios = np.array(a["rounds_ms"]) / np.array(b["rounds_ms"])
+        q1, q3 = np.quantile(ratios, [0.25, 0.75])
+        assert (p["median"], p["q1"], p["q3"]) == pytest.approx((np.median(ratios), q1, q3))
+        assert p["within_noise"] == (q1 <= 1 <= q3)
+
+
+# ----------------------------------------------------------------------------- REPORT.md, cell by cell
+def tables(md: str) -> list[tuple[str, str, list[str], list[list[str]]]]:
+    """Every markdown table: (section heading, the line of text just above it, header, rows)."""
+    out, heading, caption = [], "", ""
+    lines = md.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("|"):
+            block = []
+            while i < len(lines) and lines[i].startswith("|"):
+                block.append([c.strip() for c in lines[i].strip().strip("|").split(" | ")])
+                i += 1
+            out.append((heading, caption, block[0], block[2:]))
+            continue
+        if lines[i].startswith("#"):
+            heading = caption = lines[i].lstrip("# ")
+        elif lines[i].strip():
+            caption = lines[i]
+        i += 1
+    return out
+
+
+def _ratio(median: float, q1: float, q3: float) -> str:
+    return f"{fmt(median)} [{fmt(q1)}, {fmt(q3)}]" + (" ≈" if q1 <= 1 <= q3 else "")
+
+
+def expected_row(data: dict, heading: str, caption: str, header: list[str], row: list[str]) -> list[str]:
+    """The row REPORT.md should show, looked up in results.json by this row's own label(s) and the
+    table's column labels (KeyError / StopIteration: the row should not be there)."""
+    label = row[0].strip("`")
+    batch = int(m.group(1)) if (m := re.search(r"batch (\d+)", caption)) else None
+    rows = {(r["batch"], r["shape"], r["variant"]): r for r in data["results"]}
+    paired = {(p["batch"], p["shape"], p["variant"], p["vs"]): p for p in data["paired"]}
+    ref = data["config"]["reference"]
+    if heading == "Environment":
+        return [label, str(data["environment"][label])]
+    if heading.startswith("Ceilings"):
+        c = data["ceilings"]
+        return [fmt(c["gemm_n"]), fmt(c["gemm_tflops"]), fmt(c["copy_mib"]), fmt(c["copy_gbps"])]
+    if caption.startswith("Median ms (IQR ms)"):
+        shapes = header[1:-1]
+        if label == "rounds":
+            n = {(c["batch"], c["shape"]): c["rounds"] for c in data["cells"]}
+            return [row[0]] + [str(n[batch, sh]) for sh in shapes] + ["samples behind each cell of this column"]
+        if label == "roofline floor":
+            floor = {(f["batch"], f["shape"]): f["roofline_ms"] for f in data["roofline"]}
+            return [row[0]] + [fmt(floor[batch, sh]) for sh in shapes] + ["GEMM rate and copy bandwidth above"]
+        cells = [rows[batch, sh, label] for sh in shapes]
+        return [row[0]] + [f"{fmt(r['median_ms'])} ({fmt(r['iqr_ms'])})" for r in cells] + [cells[0]["note"]]
+    if caption.startswith(f"Paired ratio to `{ref}`"):
+        return [row[0]] + [_ratio(*(paired[batch, sh, label, ref][k] for k in ("median", "q1", "q3"))) for sh in header[1:]]
+    if caption.startswith("Other paired ratios"):
+        a, b = (x.strip("`") for x in row[0].split(" / "))
+        return [row[0]] + [_ratio(*(paired[batch, sh, a, b][k] for k in ("median", "q1", "q3"))) for sh in header[1:]]
+    if caption.startswith("Drift"):
+        ms = rows[batch, label, ref]["rounds_ms"]
+        return [label, ", ".join(fmt(t) for t in ms), fmt(max(ms) / min(ms))]
+    if caption.startswith("Per UNet step"):
+        blocks = {s["label"]: s["blocks"] for s in data["config"]["shapes"]}
+        total = sum(rows[batch, sh, label]["median_ms"] * n for sh, n in blocks.items())
+        weight = {sh: rows[batch, sh, ref]["median_ms"] * n for sh, n in blocks.items()}
+        ratio = {sh: 1.0 if label == ref else paired[batch, sh, label, ref]["median"] for sh in blocks}
+        return [row[0], fmt(total), fmt(1e3 / total), fmt(sum(ratio[sh] * weight[sh] for sh in blocks) / sum(weight.values()))]
+    if caption.startswith("Peak memory"):
+        out = [row[0]]
+        for sh in header[1:]:
+            r = rows[batch, sh, label]
+            pk, host = r.get("peak_mb"), r.get("host_ms")
+            out.append(f"{fmt(pk) if pk is not None else '-'} MB / {fmt(host) if host is not None else '-'} ms")
+        return out
+    if heading.startswith("Where the time goes"):
+        p = next(p for p in data["profile"] if (str(p["batch"]), p["shape"], f"`{p['variant']}`") == tuple(row[:3]))
+        cuda = "-" if p["self_cuda_ms_per_call"] is None else fmt(p["self_cuda_ms_per_call"])
+        top = ", ".join(f"{t['op'][6:]} {fmt(t['ms_per_call'])}" for t in p["top"][:3])
+        return row[:3] + [fmt(p["aten_ops_per_call"]), fmt(p["self_cpu_ms_per_call"]), cuda, top]
+    if heading == "The boundary":
+        b = next(b for b in data["boundary"] if (str(b["batch"]), b["shape"]) == tuple(row[:2]))
+        return row[:2] + [f"{fmt(b['echo_us'])} ({fmt(b['echo_iqr_us'])})", f"{fmt(b['echo_checked_us'])} ({fmt(b['echo_checked_iqr_us'])})", fmt(b["checked_over_echo"])]
+    if heading == "A whole UNet step":
+        u = next(u for u in data["unet_step"]["rows"] if u["name"] == row[0])
+        vs = "reference" if u["name"] == "eager" else _ratio(u["vs_eager"], u["vs_eager_q1"], u["vs_eager_q3"])
+        return [u["name"], fmt(u["median_ms"]), fmt(u["iqr_ms"]), vs]
+    if heading == "Targets":
+        t = next(t for t in data["targets"] if t["target"] == row[0])
+        return [t["target"], "-" if t["value"] is None else f"{fmt(t['value'])} {t['unit']}", fmt(t["limit"]), t["status"], t["detail"]]
+    raise AssertionError(f"a table no check knows: {heading!r} / {caption!r}")
+
+
+def misplaced_cells(md: str, data: dict) -> list[str]:
+    """Every table cell of REPORT.md that differs from its own row and column in results.json."""
+    bad = []
+    for heading, caption, header, rows in tables(md):
+        for row in rows:
+            try:
+                want = expected_row(data, heading, caption, header, row)
+            except (KeyError, StopIteration) as e:
+                bad.append(f"{caption}: row {row[0]} is in no results.json entry ({e!r})")
+                continue
+            bad += [f"{caption}: row {row[0]}, column {h}: {got!r}, results.json says {w!r}" for h, got, w in zip(header, row, want) if got != w]
+            if len(row) != len(want):
+                bad.append(f"{caption}: row {row[0]} has {len(row)} cells, not {len(want)}")
+    return bad
+
+
+def test_every_table_cell_matches_its_row_and_column_in_results_json(quick_report):
+    data = json.loads((quick_report / "results.json").read_text())
+    md = (quick_report / "REPORT.md").read_text()
+    found = tables(md)
+    captions = " ".join(f"{h} {c}" for h, c, _, _ in found)
+    for must in ("Median ms (IQR ms)", "Paired ratio to", "Drift", "Per UNet step", "The boundary", "Targets"):
+        assert must in captions, must
+    variants = {f"`{r['variant']}`" for r in data["results"]}
+    for _, caption, _, rows in found:
+        if caption.startswith(("Median ms", "Per UNet step")):
+            assert {r[0] for r in rows} - {"roofline floor", "rounds"} == variants, caption
+    assert misplaced_cells(md, data) == []
+
+
+def test_the_cell_check_catches_a_swapped_or_invented_cell(quick_report):
+    data = json.loads((quick_report / "results.json").read_text())
+    md = (quick_report / "REPORT.md").read_text()
+    lines = md.splitlines()
+    a = next(i for i, line in enumerate(lines) if line.startswith("| `rust/forward` |"))
+    b = next(i for i, line in enumerate(lines) if line.startswith("| `eager/op_plus_x` |"))
+    cells_a, cells_b = lines[a].split(" | "), lines[b].split(" | ")
+    col = next(j for j in range(1, len(cells_a) - 1) if cells_a[j] != cells_b[j])  # a shape column where they differ
+    swapped = list(lines)
+    swapped[a] = " | ".join(cells_a[:col] + [cells_b[col]] + cells_a[col + 1 :])
+    swapped[b] = " | ".join(cells_b[:col] + [cells_a[col]] + cells_b[col + 1 :])
+    assert len(misplaced_cells("\n".join(swapped), data)) == 2
+    invented = list(lines)
+    invented[a] = " | ".join(cells_a[:col] + ["3.14 (0.159)"] + cells_a[col + 1 :])
+    assert len(misplaced_cells("\n".join(invented), data)) == 1
+
+
+def test_every_number_outside_the_tables_is_in_results_json(quick_report):
+    """The prose (method, verdicts, notes) has no row and column: its numbers must at least be
+    numbers results.json holds."""
     data = json.loads((quick_report / "results.json").read_text())
     allowed = _tokens_of_results(data, set())
-    text = (quick_report / "REPORT.md").read_text()
-    stray = [n for n in NUMBER.findall(text) if n not in allowed]
+    prose = "\n".join(line for line in (quick_report / "REPORT.md").read_text().splitlines() if not line.startswith("|"))
+    stray = [n for n in NUMBER.findall(prose) if n not in allowed]
     assert not stray, f"numbers in REPORT.md not in results.json: {sorted(set(stray))[:20]}"
 
 
-def test_the_check_catches_an_invented_number(quick_report):
-    data = json.loads((quick_report / "results.json").read_text())
-    allowed = _tokens_of_results(data, set())
-    assert "31415.9" not in allowed
+def test_the_report_says_what_each_time_includes_and_how_noisy_the_machine_was(quick_report):
+    md = (quick_report / "REPORT.md").read_text()
+    row = {}  # each variant's first row: the time table of batch 2
+    for line in md.splitlines():
+        if line.startswith("| `"):
+            row.setdefault(line.split(" | ")[0][2:], line)
+    for v in ("eager/iadd", "eager/iadd_clone", "eager/copy_iadd", "rust/forward_owned_donate"):
+        assert "subtracted" in row[f"`{v}`"], v
+    assert "copy is included" in row["`rust/forward_owned`"]
+    assert "Drift: `eager/op_plus_x` in each round" in md
+    assert "through `RustBlock.forward`'s Python checks" in md
+    assert "within noise" in md
 
 
 def test_results_are_written_as_they_come(tmp_path):

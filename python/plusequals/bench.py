@@ -1,17 +1,31 @@
 """Measuring: every implementation of the block behind one interface, timed with
-torch.utils.benchmark (median, IQR), plus peak device memory, host time per call, the CUDA-graph
-floor and the device's own ceilings (GEMM rate, copy bandwidth), all in one run.
+torch.utils.benchmark, plus peak device memory, host time per call, the CUDA-graph floor and the
+device's own ceilings (GEMM rate, copy bandwidth), all in one run.
 
 Every variant is a zero-argument callable that runs one forward of the block under
 ``torch.no_grad()``. Variants that consume their input (``+=`` on the caller's tensor, a
-donated tensor) first restore or re-create it; that reset is timed on its own and subtracted.
+donated tensor) first restore or re-create it; that reset is timed as a probe of its own in the
+same round and subtracted.
+
+Timing is interleaved and paired, so that a machine whose speed drifts during a run cannot pick
+a winner: every probe of a cell (the variants and their resets) is warmed up once, then timed
+once per round, in an order shuffled per round from a recorded seed. A comparison is made
+within each round (a paired ratio) and summarised over the rounds (median, IQR). The round and
+pairing logic is a handful of pure functions (``shuffled_orders``, ``interleaved_steps``,
+``sequential_steps``, ``run_steps``, ``net_ms``, ``paired_ratios``, ``spread``) that the tests
+run against a drifting fake clock.
 """
 
 from __future__ import annotations
 
+import math
+import random
+import statistics
 import time
+import timeit as _timeit
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from types import SimpleNamespace
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch.utils import benchmark
@@ -43,16 +57,25 @@ SD_V1_CONTEXT = (77, 768)
 QUICK_SHAPES = [Shape(256, 80, 8, 10, 5), Shape(64, 160, 8, 20, 5), Shape(16, 320, 8, 40, 5), Shape(4, 320, 8, 40, 1)]
 QUICK_CONTEXT = (77, 192)
 
+REFERENCE = "eager/op_plus_x"
+
 
 @dataclass
 class Variant:
     name: str  # e.g. "eager/iadd", "rust/forward", "graph/op_plus_x"
     family: str  # eager | compile | graph | rust
     fn: Callable[[], object]
-    reset: Optional[Callable[[], object]] = None  # timed separately and subtracted
-    note: str = ""
+    # What one time of this variant includes, shown next to it in REPORT.md.
+    note: str
+    reset: Optional[Callable[[], object]] = None  # timed in the same round and subtracted
+    per_call: int = 1  # block forwards per fn() call; its times are divided by it
     # For peak memory: prepares the inputs (outside the measurement) and returns the call.
     prepare: Optional[Callable[[], Callable[[], object]]] = None
+
+
+def reset_probe(variant: str) -> str:
+    """The name under which a variant's reset is timed in its rounds."""
+    return f"reset:{variant}"
 
 
 @dataclass
@@ -63,7 +86,8 @@ class Stat:
 
 
 def timeit(fn: Callable[[], object], min_run_time: float) -> Stat:
-    """torch.utils.benchmark's blocked_autorange: warm-up, CUDA synchronisation, median and IQR."""
+    """torch.utils.benchmark's blocked_autorange: warm-up, CUDA synchronisation, median and IQR.
+    For the device ceilings only; comparisons are timed in rounds (``interleaved_rounds``)."""
     m = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()).blocked_autorange(
         min_run_time=min_run_time
     )
@@ -75,6 +99,191 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+# ----------------------------------------------------------------------------- rounds
+# A step is (round index, probe name); a design is the order of its steps.
+
+
+def shuffled_orders(names: Sequence[str], rounds: int, seed: int) -> list[list[str]]:
+    """One order of ``names`` per round, each shuffled by ``random.Random(seed)``."""
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(rounds):
+        order = list(names)
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
+def interleaved_steps(orders: Sequence[Sequence[str]]) -> list[tuple[int, str]]:
+    """Round by round: every probe once per round, in that round's order."""
+    return [(r, name) for r, order in enumerate(orders) for name in order]
+
+
+def sequential_steps(names: Sequence[str], rounds: int) -> list[tuple[int, str]]:
+    """Probe by probe: all of one probe's samples, then the next probe's (the design that lets a
+    change in machine load between two probes read as a difference between them)."""
+    return [(r, name) for name in names for r in range(rounds)]
+
+
+def run_steps(steps: Iterable[tuple[int, str]], sample: Callable[[str], float]) -> dict[str, list[float]]:
+    """Takes one sample per step, in order: {probe: [sample of round 0, round 1, ...]}."""
+    out: dict[str, dict[int, float]] = {}
+    for r, name in steps:
+        out.setdefault(name, {})[r] = sample(name)
+    return {name: [by_round[r] for r in sorted(by_round)] for name, by_round in out.items()}
+
+
+def net_ms(raw: Mapping[str, Sequence[float]], name: str, reset: Optional[str] = None, per_call: int = 1) -> list[float]:
+    """A variant's time per block forward in each round: its sample, less its reset's sample
+    from the same round, divided by the forwards per call."""
+    resets = raw[reset] if reset else [0.0] * len(raw[name])
+    return [(t - z) / per_call for t, z in zip(raw[name], resets, strict=True)]
+
+
+def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
+    """a / b within each round."""
+    return [x / y for x, y in zip(a, b, strict=True)]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median and quartiles of a set of samples (per-round times or paired ratios)."""
+
+    median: float
+    q1: float
+    q3: float
+    n: int
+
+    @property
+    def iqr(self) -> float:
+        return self.q3 - self.q1
+
+    def contains(self, value: float) -> bool:
+        """Whether ``value`` lies in the interquartile interval (for a ratio and 1: the two
+        differ by less than the round-to-round noise)."""
+        return self.q1 <= value <= self.q3
+
+
+def spread(xs: Sequence[float]) -> Spread:
+    """Median and quartiles (linear interpolation between order statistics, as numpy's default)."""
+    if len(xs) < 2:
+        return Spread(xs[0], xs[0], xs[0], len(xs))
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return Spread(statistics.median(xs), q1, q3, len(xs))
+
+
+def make_timer(fn: Callable[[], object], clock: Optional[Callable[[], float]] = None) -> benchmark.Timer:
+    """torch.utils.benchmark's Timer on ``fn()``; its default clock synchronises CUDA, ``clock``
+    replaces it (a fake clock in the tests)."""
+    kw = {} if clock is None else {"timer": clock}
+    return benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(), **kw)
+
+
+def calibrate(timer: benchmark.Timer, sample_s: float) -> int:
+    """Warms the probe up and returns the number of calls one sample of about ``sample_s`` takes
+    (from the faster of two timings, so that a stall during warm-up does not shrink samples)."""
+    number = 1
+    while True:
+        per_call = timer.timeit(number).median
+        if per_call * number >= sample_s / 10 or number >= 10**8:
+            per_call = min(per_call, timer.timeit(number).median)
+            return max(1, round(sample_s / per_call))
+        number *= 10
+
+
+def prepare_samples(
+    probes: Mapping[str, Callable[[], object]], sample_s: float, clock: Optional[Callable[[], float]] = None
+) -> tuple[dict[str, int], Callable[[str], float]]:
+    """Warms every probe up once, calibrating its calls per sample. Returns (calls per sample,
+    ``sample(name)``: one ``Timer.timeit(number)`` of that probe, in ms per call)."""
+    timers = {name: make_timer(fn, clock) for name, fn in probes.items()}
+    numbers = {name: calibrate(t, sample_s) for name, t in timers.items()}
+    return numbers, lambda name: timers[name].timeit(numbers[name]).median * 1e3
+
+
+def measure_steps(
+    probes: Mapping[str, Callable[[], object]],
+    steps: Sequence[tuple[int, str]],
+    sample_s: float,
+    clock: Optional[Callable[[], float]] = None,
+) -> tuple[dict[str, int], dict[str, list[float]]]:
+    """Warm-up, then one sample per step: (calls per sample, ms per call per round)."""
+    numbers, sample = prepare_samples(probes, sample_s, clock)
+    return numbers, run_steps(steps, sample)
+
+
+@dataclass
+class Rounds:
+    seed: int
+    orders: list[list[str]]  # the probes' order in each round
+    numbers: dict[str, int]  # calls per sample
+    raw_ms: dict[str, list[float]]  # ms per call, one per round
+
+    def record(self) -> dict:
+        return {"seed": self.seed, "rounds": len(self.orders), "orders": self.orders, "calls_per_sample": self.numbers, "raw_ms": self.raw_ms}
+
+
+def interleaved_rounds(
+    probes: Mapping[str, Callable[[], object]],
+    rounds: int,
+    seed: int,
+    sample_s: float,
+    clock: Optional[Callable[[], float]] = None,
+    settled: Optional[Callable[[dict[str, list[float]]], bool]] = None,
+    max_rounds: Optional[int] = None,
+    extra_s: float = math.inf,
+) -> Rounds:
+    """The report's design: every probe once per round, in an order shuffled per round. After
+    ``rounds`` rounds, further rounds run until ``settled(raw_ms)``, up to ``max_rounds`` and
+    while less than ``extra_s`` seconds (on ``clock``) have gone into them."""
+    max_rounds = max(rounds, max_rounds or rounds)
+    now = clock or time.perf_counter
+    orders = shuffled_orders(list(probes), max_rounds, seed)
+    numbers, sample = prepare_samples(probes, sample_s, clock)
+    raw: dict[str, list[float]] = {name: [] for name in probes}
+    done, extra_since = 0, math.inf
+
+    def more() -> bool:
+        if done < rounds:
+            return True
+        return settled is not None and done < max_rounds and now() - extra_since < extra_s and not settled(raw)
+
+    while more():
+        for name, times in run_steps(interleaved_steps(orders[done : done + 1]), sample).items():
+            raw[name] += times
+        done += 1
+        if done == rounds:
+            extra_since = now()
+    return Rounds(seed, orders[:done], numbers, raw)
+
+
+def variant_probes(variants: Sequence[Variant]) -> dict[str, Callable[[], object]]:
+    """Each variant's call, and its reset under ``reset_probe(name)``."""
+    probes: dict[str, Callable[[], object]] = {}
+    for v in variants:
+        probes[v.name] = v.fn
+        if v.reset is not None:
+            probes[reset_probe(v.name)] = v.reset
+    return probes
+
+
+def variant_ms(raw: Mapping[str, Sequence[float]], v: Variant) -> list[float]:
+    return net_ms(raw, v.name, reset_probe(v.name) if v.reset else None, v.per_call)
+
+
+def paired_iqr_settled(variants: Sequence[Variant], max_iqr: float, reference: str = REFERENCE) -> Callable[[Mapping[str, Sequence[float]]], bool]:
+    """A stop rule for ``interleaved_rounds``: every variant's paired ratio to ``reference`` has
+    an IQR of at most ``max_iqr`` (a noisy stretch of the run buys more rounds)."""
+    ref = next(v for v in variants if v.name == reference)
+
+    def settled(raw: Mapping[str, Sequence[float]]) -> bool:
+        base = variant_ms(raw, ref)
+        return all(spread(paired_ratios(variant_ms(raw, v), base)).iqr <= max_iqr for v in variants)
+
+    return settled
+
+
+# ----------------------------------------------------------------------------- one-off measures
 def peak_memory_mb(fn: Callable[[], object], device: str, prepare: Optional[Callable[[], Callable[[], object]]] = None) -> Optional[float]:
     """Peak allocated device memory during one call, above what was allocated before it
     (``prepare``, if given, makes the call's inputs first, outside the measurement)."""
@@ -92,18 +301,20 @@ def peak_memory_mb(fn: Callable[[], object], device: str, prepare: Optional[Call
     return peak / 2**20
 
 
-def host_ms_per_call(fn: Callable[[], object], device: str, calls: int = 50) -> Optional[float]:
-    """Host time per call without synchronising in between (CUDA: the launch cost)."""
+def host_ms_per_call(fn: Callable[[], object], device: str, calls: int = 2, samples: int = 7) -> Optional[float]:
+    """CUDA: host time per call, the launch cost. Each sample times ``calls`` calls on an
+    unsynchronised clock, after a synchronisation outside the timing (few calls, so the launch
+    queue does not fill and make the host wait for the device); the median of ``samples``."""
     if device != "cuda":
         return None
-    fn()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    sync(device)
-    return (t1 - t0) / calls * 1e3
+    timer = benchmark.Timer(
+        stmt="fn()",
+        setup="sync()",
+        globals={"fn": fn, "sync": torch.cuda.synchronize},
+        timer=_timeit.default_timer,
+        num_threads=torch.get_num_threads(),
+    )
+    return statistics.median(timer.timeit(calls).median for _ in range(samples)) * 1e3
 
 
 def random_block(shape: Shape, context_dim: int, device: str, dtype: torch.dtype, seed: int = 0) -> BasicTransformerBlock:
@@ -134,17 +345,19 @@ def ceilings(device: str, dtype: torch.dtype, quick: bool) -> dict:
     n = (1024 if quick else 2048) if device == "cpu" else 8192
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    gemm = timeit(lambda: a @ b, 0.2 if quick else 1.0)
+    min_run_time = 0.2 if quick else 1.0
+    gemm = timeit(lambda: a @ b, min_run_time)
     numel = (16 if quick else 64) * 2**20 // 4 if device == "cpu" else 2**30 // 2
     src = torch.empty(numel, device=device, dtype=dtype)
     dst = torch.empty_like(src)
-    copy = timeit(lambda: dst.copy_(src), 0.2 if quick else 1.0)
+    copy = timeit(lambda: dst.copy_(src), min_run_time)
     moved = 2 * src.numel() * src.element_size()
     return {
         "gemm_n": n,
         "gemm_tflops": 2 * n**3 / (gemm.median_ms * 1e-3) / 1e12,
         "copy_mib": src.numel() * src.element_size() / 2**20,
         "copy_gbps": moved / (copy.median_ms * 1e-3) / 1e9,
+        "min_run_time_s": min_run_time,
     }
 
 
@@ -166,45 +379,59 @@ def make_setup(shape: Shape, batch: int, context: tuple[int, int], device: str, 
     return Setup(block, RustBlock.from_torch(block), x, c, device)
 
 
+RESTORED = "restoring the input ({how}) is timed in the same round and subtracted"
+
+
 def eager_variants(s: Setup) -> list[Variant]:
+    notes = {
+        "op_plus_x": "one forward, out of place (the reference)",
+        "x_plus_op": "one forward, out of place",
+        "iadd": "one forward, += into its input; " + RESTORED.format(how="copy_"),
+        "iadd_clone": "one forward and its three x.clone(), += into its input; " + RESTORED.format(how="copy_"),
+        "first_out_of_place": "one forward, first sum out of place",
+        "copy_iadd": "one forward and copy.copy(x), += into its input; " + RESTORED.format(how="copy_"),
+        "preallocated": "one forward into the block's kept buffer",
+    }
     out = []
     work = s.x.clone()
     for name in STRATEGIES:
         if name in ("iadd", "iadd_clone", "copy_iadd"):  # these write into their input
-            out.append(
-                Variant(
-                    f"eager/{name}",
-                    "eager",
-                    lambda name=name: (work.copy_(s.x), s.block(work, s.context, residual=name)),
-                    reset=lambda: work.copy_(s.x),
-                    note="input restored by copy_ each call; copy time subtracted",
-                )
-            )
+            fn = lambda name=name: (work.copy_(s.x), s.block(work, s.context, residual=name))  # noqa: E731
+            out.append(Variant(f"eager/{name}", "eager", fn, notes[name], reset=lambda: work.copy_(s.x)))
         else:
-            out.append(Variant(f"eager/{name}", "eager", lambda name=name: s.block(s.x, s.context, residual=name)))
+            out.append(Variant(f"eager/{name}", "eager", lambda name=name: s.block(s.x, s.context, residual=name), notes[name]))
     return out
 
 
 def rust_variants(s: Setup, loop_n: int) -> list[Variant]:
     r, x, c = s.rust, s.x, s.context
     return [
-        Variant("rust/forward", "rust", lambda: r.forward(x, c)),
-        Variant("rust/forward_owned", "rust", lambda: r.forward_owned(x, c), note="donate=False: copies x inside Rust (counted)"),
+        Variant("rust/forward", "rust", lambda: r.forward(x, c), "one forward in Rust, with RustBlock's Python checks and the crossing"),
+        Variant("rust/forward_owned", "rust", lambda: r.forward_owned(x, c), "one forward in Rust on a copy of x made inside Rust (the copy is included)"),
         Variant(
             "rust/forward_owned_donate",
             "rust",
             lambda: r.forward_owned(x.clone(), c, donate=True),
+            "one forward in Rust, += into a donated fresh clone of x; the clone is timed in the same round and subtracted",
             reset=lambda: x.clone(),
-            note="a fresh clone donated each call; clone time subtracted",
             prepare=lambda: (lambda fresh=x.clone(): r.forward_owned(fresh, c, donate=True)),
         ),
         Variant(
             "rust/loop",
             "rust",
             lambda: r.forward_loop(x, c, n=loop_n),
-            note=f"{loop_n} forwards inside Rust per call; time divided by {loop_n}",
+            f"{loop_n} forwards inside one Rust call, divided by {loop_n} (one crossing per {loop_n} forwards)",
+            per_call=loop_n,
         ),
     ]
+
+
+def echo_probes(s: Setup) -> dict[str, Callable[[], object]]:
+    """The boundary with no op: ``echo`` raw (unwrap, GIL release, wrap), and the same call
+    through ``RustBlock.forward``'s own checks (a RustBlock whose Rust ``forward`` is ``echo``)."""
+    checked = RustBlock(SimpleNamespace(forward=s.rust._block.echo), s.rust._device)  # type: ignore[arg-type]
+    x, c = s.x, s.context
+    return {"echo": lambda: s.rust._block.echo(x, c), "echo_checked": lambda: checked.forward(x, c)}
 
 
 def graph_variants(s: Setup) -> list[Variant]:
@@ -228,16 +455,15 @@ def graph_variants(s: Setup) -> list[Variant]:
         with torch.cuda.graph(graph):
             step()
         s.graphs.append(graph)
-        reset = None
         if name == "iadd":
             copy_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(copy_graph):
                 static_x.copy_(s.x)
             s.graphs.append(copy_graph)
-            reset = copy_graph.replay
-        out.append(
-            Variant(f"graph/{name}", "graph", graph.replay, reset=reset, note="CUDA graph replay" + (" (copy graph subtracted)" if reset else ""))
-        )
+            note = "one CUDA-graph replay of the eager forward and its input copy_; " + RESTORED.format(how="the copy_ graph")
+            out.append(Variant(f"graph/{name}", "graph", graph.replay, note, reset=copy_graph.replay))
+        else:
+            out.append(Variant(f"graph/{name}", "graph", graph.replay, "one CUDA-graph replay of the eager forward (no launches)"))
     return out
 
 
@@ -253,7 +479,8 @@ def compile_variants(s: Setup) -> tuple[list[Variant], dict[str, float]]:
             fn(s.x, s.context)
         sync(s.device)
         seconds[mode] = time.perf_counter() - t0
-        out.append(Variant(f"compile/{mode}", "compile", lambda fn=fn: fn(s.x, s.context)))
+        note = f"one compiled op_plus_x forward ({mode}); compile time is not included (compile_s)"
+        out.append(Variant(f"compile/{mode}", "compile", lambda fn=fn: fn(s.x, s.context), note))
     return out, seconds
 
 

@@ -14,7 +14,6 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,9 +24,20 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import _rust, bench
-from .bench import Shape, Stat
 
 BATCHES = (2, 16)
+# The first cell's round seed; cell i uses ROUND_SEED + i (each cell's seed is in results.json).
+ROUND_SEED = 0
+# Eager strategies that do op_plus_x's work, spelled differently: on a quiet machine or a noisy
+# one, their paired ratios to op_plus_x should sit within this band.
+SAME_WORK = ("eager/x_plus_op", "eager/iadd", "eager/first_out_of_place", "eager/preallocated")
+SAME_WORK_BAND_PCT = 10
+# Paired ratios reported besides "every variant / eager/op_plus_x".
+EXTRA_PAIRS = [("graph/iadd", "graph/op_plus_x"), ("rust/forward", "rust/loop")]
+# A cell's rounds go on (up to max_rounds) until every paired ratio's IQR is at most this.
+SETTLED_PAIRED_IQR = 0.1
+# Marks a paired ratio whose interquartile interval contains 1.
+NOISE_MARK = "≈"
 # Where the targets of the report's issue apply: they were set for the H200.
 TARGET_DEVICE = "cuda"
 
@@ -109,29 +119,51 @@ class Recorder:
         tmp.write_text(json.dumps(self.data, indent=1))
         os.replace(tmp, self.path)
 
-    def add(self, key: str, row: dict) -> None:
-        self.data.setdefault(key, []).append(row)
+    def add(self, key: str, *rows: dict) -> None:
+        self.data.setdefault(key, []).extend(rows)
         self.flush()
 
 
-def measure(v: bench.Variant, device: str, min_run_time: float, loop_n: int) -> dict:
-    stat = bench.timeit(v.fn, min_run_time)
-    reset_ms = bench.timeit(v.reset, min_run_time / 2).median_ms if v.reset else 0.0
-    per = loop_n if v.name == "rust/loop" else 1
+def variant_row(v: bench.Variant, rounds: bench.Rounds, device: str) -> dict:
+    """One variant of one cell: its per-round times (reset subtracted in each round), their
+    median and IQR, what the time includes, and (CUDA) peak memory and host time per call."""
+    ms = bench.variant_ms(rounds.raw_ms, v)
+    sp = bench.spread(ms)
+    reset = bench.reset_probe(v.name) if v.reset else None
     row = {
         "variant": v.name,
         "family": v.family,
-        "median_ms": (stat.median_ms - reset_ms) / per,
-        "iqr_ms": stat.iqr_ms / per,
-        "runs": stat.runs,
-        "reset_ms": reset_ms,
+        "median_ms": sp.median,
+        "iqr_ms": sp.iqr,
+        "q1_ms": sp.q1,
+        "q3_ms": sp.q3,
+        "rounds": sp.n,
+        "rounds_ms": ms,
+        "calls_per_sample": rounds.numbers[v.name],
+        "forwards_per_call": v.per_call,
+        "reset_probe": reset,
+        "reset_ms": bench.spread(rounds.raw_ms[reset]).median if reset else 0.0,
         "note": v.note,
     }
-    if v.name != "rust/loop":
+    if v.per_call == 1:
         row["peak_mb"] = bench.peak_memory_mb(v.fn, device, v.prepare)
+        # Host minus host: the reset's own unsynchronised host time, never a synchronised median.
         host = bench.host_ms_per_call(v.fn, device)
-        row["host_ms"] = None if host is None else host - (reset_ms if device == "cuda" and v.family != "graph" else 0.0)
+        row["host_ms"] = None if host is None else host - (bench.host_ms_per_call(v.reset, device) if v.reset else 0.0)
     return row
+
+
+def boundary_row(rounds: bench.Rounds) -> dict:
+    raw = {k: bench.spread([t * 1e3 for t in rounds.raw_ms[k]]) for k in ("echo", "echo_checked")}
+    checks = bench.spread(bench.paired_ratios(rounds.raw_ms["echo_checked"], rounds.raw_ms["echo"]))
+    return {
+        "echo_us": raw["echo"].median,
+        "echo_iqr_us": raw["echo"].iqr,
+        "echo_checked_us": raw["echo_checked"].median,
+        "echo_checked_iqr_us": raw["echo_checked"].iqr,
+        "checked_over_echo": checks.median,
+        "rounds": checks.n,
+    }
 
 
 def run(
@@ -147,8 +179,13 @@ def run(
     dtype = torch.float16 if device == "cuda" else torch.float32
     shapes = bench.QUICK_SHAPES if quick else bench.SD_V1_SHAPES
     context = bench.QUICK_CONTEXT if quick else bench.SD_V1_CONTEXT
-    min_run_time = 0.2 if quick else (0.25 if device == "cuda" else 0.3)
-    loop_n = 10 if quick else 50
+    # Rounds per cell; more (up to max_rounds, for at most extra_s seconds per cell) while a
+    # paired ratio's IQR exceeds SETTLED_PAIRED_IQR; the length of one sample (one Timer.timeit).
+    rounds = 11 if device == "cuda" else (9 if quick else 7)
+    max_rounds = 3 * rounds
+    extra_s = 10.0 if quick else 60.0
+    sample_s = 0.01 if (quick or device == "cuda") else 0.05
+    loop_n = 5 if quick else 50
     with_compile = compile and not (quick and device == "cpu")
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
@@ -157,7 +194,7 @@ def run(
     rec = Recorder(
         outdir,
         {
-            "schema": 1,
+            "schema": 2,
             "complete": False,
             "environment": environment(device),
             "config": {
@@ -167,10 +204,24 @@ def run(
                 "batches": list(BATCHES),
                 "shapes": [s.__dict__ | {"label": s.label} for s in shapes],
                 "context": list(context),
-                "min_run_time_s": min_run_time,
+                "rounds": rounds,
+                "max_rounds": max_rounds,
+                "extra_rounds_s": extra_s,
+                "settled_paired_iqr": SETTLED_PAIRED_IQR,
+                "sample_s": sample_s,
+                "round_seed": ROUND_SEED,
+                "reference": bench.REFERENCE,
+                "same_work": list(SAME_WORK),
+                "same_work_band_pct": SAME_WORK_BAND_PCT,
                 "rust_loop_n": loop_n,
                 "torch_compile": with_compile,
-                "seed_claim": {"commit": "Speedup from switch to +=", "before_it_per_s": 1.57, "after_it_per_s": 1.69, "speedup_pct": 7},
+                "seed_claim": {
+                    "commit": "Speedup from switch to +=",
+                    "before_it_per_s": 1.57,
+                    "after_it_per_s": 1.69,
+                    "speedup_pct": 7,
+                    "step_time_ratio": 1.57 / 1.69,
+                },
                 "torch_compile_skipped_reason": None
                 if with_compile
                 else ("--no-compile" if not compile else "--quick on the CPU: inductor's C++ compile alone exceeds the quick budget"),
@@ -185,59 +236,63 @@ def run(
     rec.data["ceilings"] = bench.ceilings(device, dtype, quick)
     rec.flush()
 
-    n_variants = len(bench.STRATEGIES) + 4 + (2 if device == "cuda" else 0) + ((2 if device == "cuda" else 1) if with_compile else 0)
+    cells = [(batch, shape) for batch in BATCHES for shape in shapes]
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False
     ) as progress:
-        task = progress.add_task("measuring", total=len(BATCHES) * len(shapes) * (n_variants + 1))
-        for batch in BATCHES:
-            for shape in shapes:
-                s = bench.make_setup(shape, batch, context, device, dtype)
-                with torch.no_grad():
-                    progress.update(task, description=f"batch {batch} {shape.label}: echo")
-                    echo = bench.timeit(lambda: s.rust._block.echo(s.x, s.context), min_run_time)
-                    rec.add("boundary", {"batch": batch, "shape": shape.label, "echo_us": echo.median_ms * 1e3, "echo_iqr_us": echo.iqr_ms * 1e3})
-                    progress.advance(task)
-                    variants = bench.eager_variants(s) + bench.rust_variants(s, loop_n)
-                    if device == "cuda":
-                        variants += bench.graph_variants(s)
-                    compile_seconds: dict[str, float] = {}
-                    if with_compile:
-                        progress.update(task, description=f"batch {batch} {shape.label}: torch.compile")
-                        cv, compile_seconds = bench.compile_variants(s)
-                        variants += cv
-                    for v in variants:
-                        progress.update(task, description=f"batch {batch} {shape.label}: {v.name}")
-                        row = measure(v, device, min_run_time, loop_n)
-                        row |= {"batch": batch, "shape": shape.label}
-                        if v.family == "compile":
-                            row["compile_s"] = compile_seconds[v.name.split("/", 1)[1]]
-                        rec.add("results", row)
-                        progress.advance(task)
-                if batch == BATCHES[0] and shape in (shapes[0], shapes[-1]):
-                    progress.update(task, description=f"batch {batch} {shape.label}: torch.profiler")
-                    with torch.no_grad():
-                        for name, fn in (("eager/op_plus_x", lambda: s.block(s.x, s.context)), ("rust/forward", lambda: s.rust.forward(s.x, s.context))):
-                            rec.add("profile", {"batch": batch, "shape": shape.label, "variant": name} | bench.profile_ops(fn, device))
-                rec.add(
-                    "per_shape",
-                    {
-                        "batch": batch,
-                        "shape": shape.label,
-                        "blocks_per_step": shape.blocks,
-                        "gflop": bench.block_flops(shape, batch, *context) / 1e9,
-                        "min_mb": bench.block_min_bytes(s.block, shape, batch, *context, s.x.element_size()) / 2**20,
-                    },
-                )
-                del s
+        task = progress.add_task("measuring", total=len(cells))
+        for index, (batch, shape) in enumerate(cells):
+            s = bench.make_setup(shape, batch, context, device, dtype)
+            where = {"batch": batch, "shape": shape.label}
+            with torch.no_grad():
+                variants = bench.eager_variants(s) + bench.rust_variants(s, loop_n)
                 if device == "cuda":
-                    torch.cuda.empty_cache()
+                    variants += bench.graph_variants(s)
+                compile_seconds: dict[str, float] = {}
+                if with_compile:
+                    progress.update(task, description=f"batch {batch} {shape.label}: torch.compile")
+                    cv, compile_seconds = bench.compile_variants(s)
+                    variants += cv
+                progress.update(task, description=f"batch {batch} {shape.label}: rounds")
+                probes = bench.variant_probes(variants) | bench.echo_probes(s)
+                t0 = time.perf_counter()
+                settled = bench.paired_iqr_settled(variants, SETTLED_PAIRED_IQR)
+                timed = bench.interleaved_rounds(
+                    probes, rounds, ROUND_SEED + index, sample_s, settled=settled, max_rounds=max_rounds, extra_s=extra_s
+                )
+                rec.data.setdefault("cells", []).append(where | timed.record() | {"seconds": time.perf_counter() - t0})
+                rows = []
+                for v in variants:
+                    row = where | variant_row(v, timed, device)
+                    if v.family == "compile":
+                        row["compile_s"] = compile_seconds[v.name.split("/", 1)[1]]
+                    rows.append(row)
+                rec.add("results", *rows)
+                rec.add("boundary", where | boundary_row(timed))
+            if batch == BATCHES[0] and shape in (shapes[0], shapes[-1]):
+                progress.update(task, description=f"batch {batch} {shape.label}: torch.profiler")
+                with torch.no_grad():
+                    for name, fn in (("eager/op_plus_x", lambda: s.block(s.x, s.context)), ("rust/forward", lambda: s.rust.forward(s.x, s.context))):
+                        rec.add("profile", where | {"variant": name} | bench.profile_ops(fn, device))
+            rec.add(
+                "per_shape",
+                where
+                | {
+                    "blocks_per_step": shape.blocks,
+                    "gflop": bench.block_flops(shape, batch, *context) / 1e9,
+                    "min_mb": bench.block_min_bytes(s.block, shape, batch, *context, s.x.element_size()) / 2**20,
+                },
+            )
+            progress.advance(task)
+            del s
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
     if unet:
         from . import unet_bench
 
         with console.status("full UNet step"):
-            rec.data["unet_step"] = unet_bench.measure(device, dtype, quick, min_run_time, rec.data, with_compile)
+            rec.data["unet_step"] = unet_bench.measure(device, dtype, quick, rounds, sample_s, ROUND_SEED + len(cells), rec.data, with_compile)
         rec.flush()
 
     summarize(rec.data)
@@ -263,43 +318,98 @@ def _ms(data: dict, batch: int, shape: str, variant: str) -> Optional[float]:
     return None if r is None else r["median_ms"]
 
 
+def _variants(data: dict) -> list[str]:
+    """The variants in the order they were measured."""
+    out: list[str] = []
+    for r in data["results"]:
+        if r["variant"] not in out:
+            out.append(r["variant"])
+    return out
+
+
+def pair(data: dict, batch: int, shape: str, a: str, b: str) -> Optional[dict]:
+    """``a / b`` of one cell, paired within each round, summarised over the rounds."""
+    ra, rb = _row(data, batch, shape, a), _row(data, batch, shape, b)
+    if ra is None or rb is None:
+        return None
+    ratios = bench.paired_ratios(ra["rounds_ms"], rb["rounds_ms"])
+    sp = bench.spread(ratios)
+    return {
+        "batch": batch,
+        "shape": shape,
+        "variant": a,
+        "vs": b,
+        "median": sp.median,
+        "q1": sp.q1,
+        "q3": sp.q3,
+        "iqr": sp.iqr,
+        "rounds": sp.n,
+        "within_noise": sp.contains(1.0),
+        "ratios": ratios,
+    }
+
+
+def _paired(data: dict, batch: int, shape: str, a: str, b: str = bench.REFERENCE) -> Optional[dict]:
+    return next((p for p in data["paired"] if (p["batch"], p["shape"], p["variant"], p["vs"]) == (batch, shape, a, b)), None)
+
+
 def summarize(data: dict) -> None:
-    """Ratios and per-step totals, computed from the rows and stored next to them."""
-    shapes = [s["label"] for s in data["config"]["shapes"]]
-    blocks = {s["label"]: s["blocks"] for s in data["config"]["shapes"]}
+    """Paired ratios, drift, per-step totals and verdict counts, computed from the rows and
+    stored next to them."""
+    cfg = data["config"]
+    shapes = [s["label"] for s in cfg["shapes"]]
+    blocks = {s["label"]: s["blocks"] for s in cfg["shapes"]}
     ceil = data["ceilings"]
-    variants = sorted({r["variant"] for r in data["results"]})
-    ratios, steps, floors = [], [], []
-    for batch in data["config"]["batches"]:
+    variants = _variants(data)
+    paired, drift, steps, floors = [], [], [], []
+    for batch in cfg["batches"]:
         for shape in shapes:
-            base = _ms(data, batch, shape, "eager/op_plus_x")
-            for v in variants:
-                t = _ms(data, batch, shape, v)
-                if base and t:
-                    ratios.append({"batch": batch, "shape": shape, "variant": v, "vs_eager": t / base})
+            pairs = [(v, bench.REFERENCE) for v in variants if v != bench.REFERENCE] + EXTRA_PAIRS
+            paired += [p for a, b in pairs if (p := pair(data, batch, shape, a, b))]
+            ref = _row(data, batch, shape, bench.REFERENCE)
+            if ref:
+                ms = ref["rounds_ms"]
+                drift.append({"batch": batch, "shape": shape, "variant": bench.REFERENCE, "rounds_ms": ms, "max_over_min": max(ms) / min(ms)})
             ps = next(p for p in data["per_shape"] if p["batch"] == batch and p["shape"] == shape)
             floor_ms = max(ps["gflop"] * 1e9 / (ceil["gemm_tflops"] * 1e12), ps["min_mb"] * 2**20 / (ceil["copy_gbps"] * 1e9)) * 1e3
             floors.append({"batch": batch, "shape": shape, "roofline_ms": floor_ms})
+        ref_ms = {sh: _ms(data, batch, sh, bench.REFERENCE) for sh in shapes}
         for v in variants:
             ts = [_ms(data, batch, sh, v) for sh in shapes]
             if all(t is not None for t in ts):
                 total = sum(t * blocks[sh] for t, sh in zip(ts, shapes))
-                steps.append({"batch": batch, "variant": v, "blocks_ms_per_step": total, "blocks_only_it_per_s": 1e3 / total})
-    data["ratios"], data["per_step"], data["roofline"] = ratios, steps, floors
-    noise = []
-    for batch in data["config"]["batches"]:
-        within = 0
-        for sh in shapes:
-            a, b = _row(data, batch, sh, "eager/iadd"), _row(data, batch, sh, "eager/op_plus_x")
-            if a and b and abs(a["median_ms"] - b["median_ms"]) <= max(a["iqr_ms"], b["iqr_ms"]):
-                within += 1
-        noise.append({"batch": batch, "shapes_within_iqr": within, "shapes": len(shapes)})
-    data["iadd_vs_op_plus_x"] = noise
+                step = {"batch": batch, "variant": v, "blocks_ms_per_step": total, "blocks_only_it_per_s": 1e3 / total}
+                ratios = {p["shape"]: p["median"] for p in paired if (p["batch"], p["variant"], p["vs"]) == (batch, v, bench.REFERENCE)}
+                if v == bench.REFERENCE or len(ratios) == len(shapes):
+                    # The step's paired ratio: each shape's paired ratio, weighted by its share of the reference's step.
+                    weight = {sh: ref_ms[sh] * blocks[sh] for sh in shapes}
+                    step["vs_reference"] = sum(ratios.get(sh, 1.0) * weight[sh] for sh in shapes) / sum(weight.values())
+                steps.append(step)
+    data["paired"], data["drift"], data["per_step"], data["roofline"] = paired, drift, steps, floors
+    data["same_work"] = [same_work(data, batch) for batch in cfg["batches"]]
     data["targets"] = targets(data)
 
 
+def same_work(data: dict, batch: int) -> dict:
+    """The eager strategies that do op_plus_x's work, spelled differently: how far their paired
+    ratios to op_plus_x stray, and in how many cells the difference is within noise."""
+    cfg = data["config"]
+    ps = [p for v in cfg["same_work"] for sh in [s["label"] for s in cfg["shapes"]] if (p := _paired(data, batch, sh, v))]
+    band = cfg["same_work_band_pct"] / 100
+    return {
+        "batch": batch,
+        "cells": len(ps),
+        "min": min(p["median"] for p in ps),
+        "max": max(p["median"] for p in ps),
+        "inside_band": sum(abs(p["median"] - 1) <= band for p in ps),
+        "within_noise": sum(p["within_noise"] for p in ps),
+        "outside_noise": [f"{p['variant']} at {p['shape']}" for p in ps if not p["within_noise"]],
+    }
+
+
 def targets(data: dict) -> list[dict]:
-    """The issue's performance targets (set for the H200), each with its measured value."""
+    """The issue's performance targets (set for the H200), each with its measured value; every
+    comparison is a paired ratio (median over rounds)."""
     shapes = [s["label"] for s in data["config"]["shapes"]]
     on_target_device = data["config"]["device"] == TARGET_DEVICE and not data["config"]["quick"]
     out = []
@@ -310,17 +420,20 @@ def targets(data: dict) -> list[dict]:
             status += " (informational: targets are for the H200, full shapes)"
         out.append({"target": name, "value": value, "limit": limit, "unit": unit, "status": status, "detail": detail})
 
-    speedups = [(_ms(data, 2, sh, "eager/op_plus_x") or math.nan) / (_ms(data, 2, sh, "rust/forward") or math.nan) for sh in shapes]
-    worst = min(speedups)
-    add("Rust forward >= 2x faster than eager op_plus_x at every shape (batch 2)", worst, 2.0, worst >= 2.0, "x (worst shape)", "eager / rust/forward")
-    graph = [_ms(data, 2, sh, "graph/op_plus_x") for sh in shapes]
-    if all(g is not None for g in graph):
-        over = max((_ms(data, 2, sh, "rust/forward") or math.nan) / g for sh, g in zip(shapes, graph))
-        add("Rust forward within 1.3x of the CUDA-graph floor (batch 2)", over, 1.3, over <= 1.3, "x (worst shape)", "rust/forward / graph/op_plus_x")
+    def worst(batch: int, a: str, b: str, pick) -> Optional[float]:
+        ps = [pair(data, batch, sh, a, b) for sh in shapes]
+        return None if any(p is None for p in ps) else pick(p["median"] for p in ps)
+
+    speedup = worst(2, bench.REFERENCE, "rust/forward", min)
+    add("Rust forward >= 2x faster than eager op_plus_x at every shape (batch 2)", speedup, 2.0, speedup >= 2.0, "x (worst shape)", "eager / rust/forward, paired")
+    name = "Rust forward within 1.3x of the CUDA-graph floor (batch 2)"
+    over = worst(2, "rust/forward", "graph/op_plus_x", max)
+    if over is not None:
+        add(name, over, 1.3, over <= 1.3, "x (worst shape)", "rust/forward / graph/op_plus_x, paired")
     else:
-        add("Rust forward within 1.3x of the CUDA-graph floor (batch 2)", None, 1.3, None, "x", "no CUDA graphs on this device")
-    b16 = [(_ms(data, 16, sh, "rust/forward") or math.nan) / (_ms(data, 16, sh, "eager/op_plus_x") or math.nan) for sh in shapes]
-    add("Rust forward within 1.02x of eager at batch 16", max(b16), 1.02, max(b16) <= 1.02, "x (worst shape)", "rust/forward / eager")
+        add(name, None, 1.3, None, "x", "no CUDA graphs on this device")
+    b16 = worst(16, "rust/forward", bench.REFERENCE, max)
+    add("Rust forward within 1.02x of eager at batch 16", b16, 1.02, b16 <= 1.02, "x (worst shape)", "rust/forward / eager, paired")
     mem = [(_row(data, 2, sh, "rust/forward_owned_donate") or {}).get("peak_mb") for sh in shapes]
     mem_iadd = [(_row(data, 2, sh, "eager/iadd") or {}).get("peak_mb") for sh in shapes]
     if all(m is not None for m in mem + mem_iadd):
@@ -328,8 +441,15 @@ def targets(data: dict) -> list[dict]:
         add("forward_owned (donated) peak memory <= PyTorch iadd's", worst_mem, 1.0, worst_mem <= 1.0, "x (worst shape)", "peak MB ratio")
     else:
         add("forward_owned (donated) peak memory <= PyTorch iadd's", None, 1.0, None, "x", "no allocator statistics on the CPU")
-    echo = max(b["echo_us"] for b in data["boundary"])
-    add("Python -> Rust per-call overhead <= 10 us", echo, 10.0, echo <= 10.0, "us (worst shape)", "RustBlock echo(): unwrap, GIL release, wrap")
+    echo = max(b["echo_checked_us"] for b in data["boundary"])
+    add(
+        "Python -> Rust per-call overhead <= 10 us",
+        echo,
+        10.0,
+        echo <= 10.0,
+        "us (worst shape)",
+        "echo() through RustBlock.forward's checks (the raw binding: the boundary table)",
+    )
     return out
 
 
@@ -340,28 +460,54 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def time_cell(r: Optional[dict]) -> str:
+    return "-" if r is None else f"{fmt(r['median_ms'])} ({fmt(r['iqr_ms'])})"
+
+
+def ratio_cell(p: Optional[dict]) -> str:
+    """median [Q1, Q3] of a paired ratio; NOISE_MARK when the interval contains 1."""
+    if p is None:
+        return "-"
+    return f"{fmt(p['median'])} [{fmt(p['q1'])}, {fmt(p['q3'])}]" + (f" {NOISE_MARK}" if p["within_noise"] else "")
+
+
+def unet_ratio_cell(r: dict) -> str:
+    if r["name"] == "eager":
+        return "reference"
+    return ratio_cell({"median": r["vs_eager"], "q1": r["vs_eager_q1"], "q3": r["vs_eager_q3"], "within_noise": r["within_noise"]})
+
+
 def render(data: dict) -> str:
     cfg, env, ceil = data["config"], data["environment"], data["ceilings"]
     shapes = [s["label"] for s in cfg["shapes"]]
-    variants = []
-    for r in data["results"]:
-        if r["variant"] not in variants:
-            variants.append(r["variant"])
+    variants = _variants(data)
+    ref = cfg["reference"]
     md = ["# plusequals benchmark report", ""]
     md.append(
         f"Device **{cfg['device']}** ({env.get('gpu', env['cpu'])}), dtype **{cfg['dtype']}**, "
         f"{cfg['shapes_note'] if cfg['quick'] else cfg['model'] + ' shapes at ' + cfg['resolution']}; context {cfg['context'][0]} x {cfg['context'][1]}; "
-        f"batches {', '.join(str(b) for b in cfg['batches'])}; every variant under {cfg['grad_mode']}. "
-        f"Timer: torch.utils.benchmark blocked_autorange, min run time {fmt(cfg['min_run_time_s'])} s; "
-        f"cells are median ms (IQR ms). Run took {fmt(data.get('elapsed_s', 0.0))} s."
+        f"batches {', '.join(str(b) for b in cfg['batches'])}; every variant under {cfg['grad_mode']}. Run took {fmt(data.get('elapsed_s', 0.0))} s."
     )
+    md += [
+        "",
+        f"**Method.** The variants of a (batch, shape) cell are timed together, in rounds, after one warm-up of each. "
+        "Each round times every variant once, and every reset that a variant subtracts, in an order shuffled per round "
+        "(each cell's seed, orders and raw times are in results.json). "
+        f"A cell runs {cfg['rounds']} rounds, and more (up to {cfg['max_rounds']}, for at most {fmt(cfg['extra_rounds_s'])} s) "
+        f"while the IQR of any of its paired ratios to `{cfg['reference']}` exceeds {fmt(cfg['settled_paired_iqr'])}. "
+        f"One sample is one torch.utils.benchmark `Timer.timeit(number)`, with `number` set at warm-up so that a sample takes about {fmt(cfg['sample_s'])} s. "
+        "A time is the median over the rounds (IQR over the rounds), in ms per block forward. "
+        "A ratio is paired: it is computed within each round, then summarised as median [first quartile, third quartile] over the rounds. "
+        f"{NOISE_MARK} marks a ratio whose interquartile interval contains 1: that difference is within the round-to-round noise. "
+        "A change in machine load during the run moves the variants of a round together, so it cancels in their ratio.",
+    ]
     if not cfg["torch_compile"]:
         md += ["", f"torch.compile was not measured: {cfg['torch_compile_skipped_reason']}."]
     if cfg["device"] == "cpu":
         md += ["", "> A CPU run (here: " + f"{env['cpu_threads']} threads" + ") times libtorch's CPU kernels; it is no verdict on the GPU, where the seed's question lives."]
     md += ["", "## Environment", ""]
     md.append(_table(["what", "value"], [[k, str(v)] for k, v in env.items()]))
-    md += ["", "## Ceilings measured in this run", ""]
+    md += ["", "## Ceilings measured in this run", "", f"torch.utils.benchmark blocked_autorange, min run time {fmt(ceil['min_run_time_s'])} s:", ""]
     md.append(
         _table(
             ["GEMM n", "GEMM TFLOP/s", "copy MiB", "copy GB/s"],
@@ -370,31 +516,42 @@ def render(data: dict) -> str:
     )
     for batch in cfg["batches"]:
         md += ["", f"## Time per block call, batch {batch}", ""]
-        rows = []
-        for v in variants:
-            cells = []
-            for sh in shapes:
-                r = _row(data, batch, sh, v)
-                cells.append("-" if r is None else f"{fmt(r['median_ms'])} ({fmt(r['iqr_ms'])})")
-            rows.append([f"`{v}`"] + cells)
+        md += [f"Median ms (IQR ms) over the cell's rounds (batch {batch}):", ""]
+        notes = {r["variant"]: r["note"] for r in data["results"]}
+        rows = [[f"`{v}`"] + [time_cell(_row(data, batch, sh, v)) for sh in shapes] + [notes[v]] for v in variants]
         floor = {f["shape"]: f["roofline_ms"] for f in data["roofline"] if f["batch"] == batch}
-        rows.append(["roofline floor"] + [fmt(floor[sh]) for sh in shapes])
-        md.append(_table(["variant"] + shapes, rows))
-        md += ["", f"Ratio to `eager/op_plus_x` (batch {batch}; below one is faster):", ""]
-        rrows = []
-        for v in variants:
-            cells = [next((fmt(x["vs_eager"]) for x in data["ratios"] if x["batch"] == batch and x["shape"] == sh and x["variant"] == v), "-") for sh in shapes]
-            rrows.append([f"`{v}`"] + cells)
+        rows.append(["roofline floor"] + [fmt(floor[sh]) for sh in shapes] + ["GEMM rate and copy bandwidth above"])
+        n = {c["shape"]: c["rounds"] for c in data["cells"] if c["batch"] == batch}
+        rows.append(["rounds"] + [fmt(n[sh]) for sh in shapes] + ["samples behind each cell of this column"])
+        md.append(_table(["variant"] + shapes + ["the time includes"], rows))
+        md += ["", f"Paired ratio to `{ref}` (batch {batch}): median [Q1, Q3] over rounds; below one is faster; {NOISE_MARK}: within noise:", ""]
+        rrows = [[f"`{v}`"] + [ratio_cell(_paired(data, batch, sh, v, ref)) for sh in shapes] for v in variants if v != ref]
         md.append(_table(["variant"] + shapes, rrows))
-        md += ["", f"Per UNet step (blocks per shape {', '.join(str(s['blocks']) for s in cfg['shapes'])}), transformer blocks only:", ""]
+        extra = [(a, b) for a, b in EXTRA_PAIRS if any(_paired(data, batch, sh, a, b) for sh in shapes)]
+        if extra:
+            md += ["", f"Other paired ratios (batch {batch}):", ""]
+            md.append(_table(["ratio"] + shapes, [[f"`{a}` / `{b}`"] + [ratio_cell(_paired(data, batch, sh, a, b)) for sh in shapes] for a, b in extra]))
+        md += ["", f"Drift: `{ref}` in each round, in time order (batch {batch}; ms):", ""]
+        md.append(
+            _table(
+                ["shape", "ms per round", "max / min"],
+                [[d["shape"], ", ".join(fmt(t) for t in d["rounds_ms"]), fmt(d["max_over_min"])] for d in data["drift"] if d["batch"] == batch],
+            )
+        )
+        md += [
+            "",
+            f"Per UNet step (batch {batch}; blocks per shape {', '.join(str(s['blocks']) for s in cfg['shapes'])}), transformer blocks only: "
+            f"the sum of the medians, and the paired ratios to `{ref}` weighted by each shape's share of its step:",
+            "",
+        ]
         srows = [
-            [f"`{p['variant']}`", fmt(p["blocks_ms_per_step"]), fmt(p["blocks_only_it_per_s"])]
+            [f"`{p['variant']}`", fmt(p["blocks_ms_per_step"]), fmt(p["blocks_only_it_per_s"]), fmt(p["vs_reference"]) if "vs_reference" in p else "-"]
             for p in data["per_step"]
             if p["batch"] == batch
         ]
-        md.append(_table(["variant", "ms per step", "it/s (blocks only)"], srows))
+        md.append(_table(["variant", "ms per step", "it/s (blocks only)", f"vs `{ref}` (paired)"], srows))
         if cfg["device"] == "cuda":
-            md += ["", f"Peak memory and host time per call (batch {batch}):", ""]
+            md += ["", f"Peak memory and host time per call (batch {batch}; host time: unsynchronised, the reset's host time subtracted):", ""]
             prow = []
             for v in variants:
                 cells = []
@@ -429,25 +586,41 @@ def render(data: dict) -> str:
             "The wall time of a call that the profiler does not attribute to aten ops is the caller's own: "
             "Python (eager) or the binding (Rust), plus launch latency on CUDA.",
         ]
-    md += ["", "## The boundary", ""]
+    md += [
+        "",
+        "## The boundary",
+        "",
+        "`echo()` crosses into Rust and back with no op: the raw binding `RustBlock._block.echo(x, context)` (unwrap, GIL release, wrap), "
+        "and the same call through `RustBlock.forward`'s Python checks (what a caller of `RustBlock` pays). Timed in the cells' rounds; median (IQR) over rounds:",
+        "",
+    ]
     md.append(
         _table(
-            ["batch", "shape", "echo() us", "IQR us"],
-            [[str(b["batch"]), b["shape"], fmt(b["echo_us"]), fmt(b["echo_iqr_us"])] for b in data["boundary"]],
+            ["batch", "shape", "raw echo() us", "through RustBlock's checks us", "checked / raw (paired)"],
+            [
+                [str(b["batch"]), b["shape"], f"{fmt(b['echo_us'])} ({fmt(b['echo_iqr_us'])})", f"{fmt(b['echo_checked_us'])} ({fmt(b['echo_checked_iqr_us'])})", fmt(b["checked_over_echo"])]
+                for b in data["boundary"]
+            ],
         )
     )
     if "unet_step" in data:
         md += ["", "## A whole UNet step", "", data["unet_step"].get("what", "")]
         u = data["unet_step"]
         if u.get("rows"):
-            md += ["", _table(["implementation", "median ms", "IQR ms", "vs eager"], [[r["name"], fmt(r["median_ms"]), fmt(r["iqr_ms"]), fmt(r["vs_eager"])] for r in u["rows"]])]
+            md += [
+                "",
+                _table(
+                    ["implementation", "median ms", "IQR ms", "vs eager (paired)"],
+                    [[r["name"], fmt(r["median_ms"]), fmt(r["iqr_ms"]), unet_ratio_cell(r)] for r in u["rows"]],
+                ),
+            ]
         if u.get("max_rel_err_rust") is not None:
             md += ["", f"Rust-block UNet output vs eager: relative error {fmt(u['max_rel_err_rust'])}."]
         if u.get("block_share") is not None:
             md += [f"Share of the eager step spent in the transformer blocks ({u['block_share_method']}): {fmt(u['block_share'])}."]
         if u.get("skipped"):
             md += ["", f"Skipped: {u['skipped']}"]
-    md += ["", "## Verdicts (measured ratios)", ""]
+    md += ["", "## Verdicts (paired ratios)", ""]
     md += verdicts(data)
     md += ["", "## Targets", ""]
     md.append(
@@ -466,44 +639,49 @@ def render(data: dict) -> str:
 
 
 def verdicts(data: dict) -> list[str]:
-    """Sentences whose every number is a ratio or time from results.json."""
-    shapes = [s["label"] for s in data["config"]["shapes"]]
+    """Sentences whose every number is a paired ratio or a count from results.json."""
+    cfg = data["config"]
+    shapes = [s["label"] for s in cfg["shapes"]]
+    ref = cfg["reference"]
     out = []
 
-    def span(variant: str, batch: int) -> Optional[tuple[float, float]]:
-        xs = [x["vs_eager"] for x in data["ratios"] if x["batch"] == batch and x["variant"] == variant]
-        return (min(xs), max(xs)) if xs else None
+    def across(variant: str, batch: int, vs: str = ref) -> Optional[str]:
+        ps = [p for sh in shapes if (p := _paired(data, batch, sh, variant, vs))]
+        if not ps:
+            return None
+        lo, hi = min(p["median"] for p in ps), max(p["median"] for p in ps)
+        noise = sum(p["within_noise"] for p in ps)
+        return f"{fmt(lo)} to {fmt(hi)} across shapes, within noise at {noise} of {len(ps)}"
 
-    for batch in data["config"]["batches"]:
-        sp = span("eager/iadd", batch)
-        noise = next((n for n in data.get("iadd_vs_op_plus_x", []) if n["batch"] == batch), None)
-        if sp and noise:
+    for batch in cfg["batches"]:
+        if sp := across("eager/iadd", batch):
+            out.append(f"- Is `+=` faster (batch {batch})? `eager/iadd` / `{ref}`: {sp}.")
+        sw = next((w for w in data.get("same_work", []) if w["batch"] == batch), None)
+        if sw:
+            strays = "; outside noise: " + ", ".join(sw["outside_noise"]) if sw["outside_noise"] else ""
             out.append(
-                f"- Is `+=` faster (batch {batch})? `eager/iadd` / `eager/op_plus_x` = {fmt(sp[0])} to {fmt(sp[1])} across shapes; "
-                f"the difference is within one IQR at {noise['shapes_within_iqr']} of {noise['shapes']} shapes."
+                f"- Same work, spelled differently (batch {batch}): {', '.join(f'`{v}`' for v in cfg['same_work'])} / `{ref}`: "
+                f"{fmt(sw['min'])} to {fmt(sw['max'])}; inside ±{cfg['same_work_band_pct']}% in {sw['inside_band']} of {sw['cells']} cells, "
+                f"within noise in {sw['within_noise']} of {sw['cells']}{strays}."
             )
-        rs = span("rust/forward", batch)
-        lp = span("rust/loop", batch)
+        rs, lp = across("rust/forward", batch), across("rust/loop", batch)
         if rs and lp:
-            out.append(
-                f"- Is Python the bottleneck (batch {batch})? Rust called from Python costs {fmt(rs[0])} to {fmt(rs[1])} of eager; "
-                f"Rust looping inside Rust {fmt(lp[0])} to {fmt(lp[1])}."
-            )
-        gp = span("graph/op_plus_x", batch)
-        if gp:
-            out.append(f"- The launch-free floor (batch {batch}): CUDA-graph replay costs {fmt(gp[0])} to {fmt(gp[1])} of eager.")
+            out.append(f"- Is Python the bottleneck (batch {batch})? `rust/forward` / `{ref}`: {rs}; `rust/loop` / `{ref}`: {lp}.")
+        if gp := across("graph/op_plus_x", batch):
+            out.append(f"- The launch-free floor (batch {batch}): `graph/op_plus_x` / `{ref}`: {gp}.")
+        if gi := across("graph/iadd", batch, "graph/op_plus_x"):
+            out.append(f"- `+=` without launch overhead (batch {batch}): `graph/iadd` / `graph/op_plus_x`: {gi}.")
         for mode in ("default", "reduce-overhead"):
-            cp = span(f"compile/{mode}", batch)
-            if cp:
-                out.append(f"- Should a compiler do it (batch {batch})? torch.compile ({mode}) costs {fmt(cp[0])} to {fmt(cp[1])} of eager.")
+            if cp := across(f"compile/{mode}", batch):
+                out.append(f"- Should a compiler do it (batch {batch})? `compile/{mode}` / `{ref}`: {cp}.")
     steps = {(p["batch"], p["variant"]): p for p in data["per_step"]}
-    seed = data["config"]["seed_claim"]
-    a, b = steps.get((2, "eager/op_plus_x")), steps.get((2, "eager/iadd"))
-    if a and b:
+    seed = cfg["seed_claim"]
+    b = steps.get((2, "eager/iadd"), {})
+    if "vs_reference" in b:
         out.append(
-            f"- The seed's \"{fmt(seed['before_it_per_s'])} -> {fmt(seed['after_it_per_s'])} it/s\" (~{fmt(seed['speedup_pct'])}%), "
-            f"for the blocks alone at batch 2: op_plus_x {fmt(a['blocks_only_it_per_s'])} it/s, "
-            f"iadd {fmt(b['blocks_only_it_per_s'])} it/s."
+            f"- The seed's \"{fmt(seed['before_it_per_s'])} -> {fmt(seed['after_it_per_s'])} it/s\" (~{fmt(seed['speedup_pct'])}%) "
+            f"is a step time ratio of {fmt(seed['step_time_ratio'])}. For the blocks alone at batch 2, `eager/iadd` / `{ref}` per step, "
+            f"paired: {fmt(b['vs_reference'])}."
         )
     return out
 

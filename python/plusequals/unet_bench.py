@@ -4,8 +4,9 @@ the transformer blocks. Needs the optional ``diffusers`` dependency."""
 
 from __future__ import annotations
 
+import copy
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -34,8 +35,10 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def measure(
-    device: str, dtype: torch.dtype, quick: bool, min_run_time: float, data: Optional[dict] = None, compile: bool = True
+    device: str, dtype: torch.dtype, quick: bool, rounds: int, sample_s: float, seed: int, data: Optional[dict] = None, compile: bool = True
 ) -> dict:
+    """Eager, the Rust-block UNet (a swapped copy) and torch.compile, timed in interleaved rounds
+    like the blocks (``bench.interleaved_rounds``); each ratio to eager is paired per round."""
     try:
         from diffusers import UNet2DConditionModel
         from diffusers.models.attention import BasicTransformerBlock as DiffusersBlock
@@ -55,33 +58,20 @@ def measure(
     blocks = [m for m in unet.modules() if isinstance(m, DiffusersBlock)]
     what = (
         f"diffusers UNet2DConditionModel, {'a small SD-v1-shaped config (--quick)' if small else 'the SD v1 config'}, "
-        f"batch {batch}, latent {size} x {size}, {str(dtype).replace('torch.', '')}, {len(blocks)} transformer blocks, torch.no_grad()."
+        f"batch {batch}, latent {size} x {size}, {str(dtype).replace('torch.', '')}, {len(blocks)} transformer blocks, torch.no_grad(). "
+        "Timed in interleaved rounds like the blocks; the Rust row is a copy of the UNet with its blocks swapped."
     )
     out: dict[str, Any] = {"what": what, "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()}, "rows": []}
 
-    def step() -> torch.Tensor:
-        return unet(sample, t, encoder_hidden_states=ehs).sample
+    def step(model) -> Callable[[], torch.Tensor]:
+        return lambda: model(sample, t, encoder_hidden_states=ehs).sample
 
     with torch.no_grad():
-        expected = step()
-        eager = bench.timeit(step, min_run_time)
-        out["rows"].append({"name": "eager", "median_ms": eager.median_ms, "iqr_ms": eager.iqr_ms})
-        out["block_share"] = _block_share(unet, blocks, step, device, data, eager.median_ms, small)
-        out["block_share_method"] = (
-            "time inside the blocks' forward (hooks; the CPU runs synchronously) over the step, median of 5 steps"
-            if device == "cpu"
-            else "sum of the per-block eager times measured above at the SD v1 shapes, over the step"
-        )
-
-        handle = swap_transformer_blocks(unet)
-        try:
-            got = step()
-            out["max_rel_err_rust"] = _rel_err(got, expected)
-            rust = bench.timeit(step, min_run_time)
-            out["rows"].append({"name": "Rust transformer blocks", "median_ms": rust.median_ms, "iqr_ms": rust.iqr_ms})
-        finally:
-            handle.undo()
-
+        expected = step(unet)()
+        rust_unet = copy.deepcopy(unet)
+        swap_transformer_blocks(rust_unet)
+        out["max_rel_err_rust"] = _rel_err(step(rust_unet)(), expected)
+        probes = {"eager": step(unet), "Rust transformer blocks": step(rust_unet)}
         if compile and (device == "cuda" or not quick):
             torch._dynamo.reset()
             compiled = torch.compile(unet)
@@ -90,12 +80,32 @@ def measure(
                 compiled(sample, t, encoder_hidden_states=ehs)
             bench.sync(device)
             out["compile_s"] = time.perf_counter() - t0
-            c = bench.timeit(lambda: compiled(sample, t, encoder_hidden_states=ehs).sample, min_run_time)
-            out["rows"].append({"name": "torch.compile (default)", "median_ms": c.median_ms, "iqr_ms": c.iqr_ms})
+            probes["torch.compile (default)"] = step(compiled)
         else:
             out["compile_skipped"] = "--no-compile" if not compile else "--quick on the CPU"
-    for r in out["rows"]:
-        r["vs_eager"] = r["median_ms"] / eager.median_ms
+        r = bench.interleaved_rounds(probes, rounds, seed, sample_s)
+        out["rounds"] = r.record()
+        for name in probes:
+            ms = bench.spread(r.raw_ms[name])
+            vs = bench.spread(bench.paired_ratios(r.raw_ms[name], r.raw_ms["eager"]))
+            out["rows"].append(
+                {
+                    "name": name,
+                    "median_ms": ms.median,
+                    "iqr_ms": ms.iqr,
+                    "vs_eager": vs.median,
+                    "vs_eager_q1": vs.q1,
+                    "vs_eager_q3": vs.q3,
+                    "within_noise": vs.contains(1.0),
+                }
+            )
+        eager_ms = out["rows"][0]["median_ms"]
+        out["block_share"] = _block_share(unet, blocks, step(unet), device, data, eager_ms, small)
+        out["block_share_method"] = (
+            "time inside the blocks' forward (hooks; the CPU runs synchronously) over the step, median of 5 steps"
+            if device == "cpu"
+            else "sum of the per-block eager times measured above at the SD v1 shapes, over the step"
+        )
     return out
 
 
