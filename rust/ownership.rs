@@ -19,7 +19,8 @@
 //! * not a view, and no other tensor on its storage (views, `detach`, slices, a Python
 //!   `UntypedStorage`);
 //! * the memory is libtorch's: allocated by a libtorch allocator, not wrapped around a
-//!   foreign pointer (`from_blob`, numpy, dlpack, `frombuffer`, shared memory);
+//!   foreign pointer (`from_blob`, numpy, dlpack, `frombuffer`, shared memory), and not marked
+//!   non-resizable (`x.numpy()` marks it, for the numpy array that may read it);
 //! * `x` covers its storage exactly, from offset 0, with no element sharing bytes;
 //! * grad mode is off on this thread at the moment of the call (the `&NoGrad` proves that a
 //!   guard exists, not that nobody turned grad mode back on with `tch::with_grad`);
@@ -75,6 +76,10 @@ pub enum Alias {
     /// The bytes belong to someone libtorch does not track (numpy, dlpack, `frombuffer`,
     /// `from_blob`, shared memory), who may still read them.
     ForeignMemory,
+    /// libtorch's own memory, marked non-resizable: `x.numpy()` does that, so that the numpy
+    /// array, which may still read it, never sees it freed (the mark stays after the array is
+    /// gone, so this refusal can be stricter than needed).
+    NotResizable,
     /// Elements share bytes (a stride-0 or overlapping layout), or the layout has gaps.
     NotDense,
     /// The tensor covers only part of its storage; the rest may be someone else's.
@@ -96,6 +101,7 @@ impl Alias {
             Alias::View => "a view".into(),
             Alias::SharedStorage(n) => format!("storage shared with {n}"),
             Alias::ForeignMemory => "foreign memory".into(),
+            Alias::NotResizable => "non-resizable (numpy view?)".into(),
             Alias::NotDense => "not dense".into(),
             Alias::PartOfStorage { .. } => "part of a storage".into(),
             Alias::NoStorage => "no storage".into(),
@@ -128,6 +134,9 @@ impl fmt::Display for Alias {
                 "is memory libtorch did not allocate (numpy, dlpack, frombuffer, from_blob or shared memory): \
                  its owner may still read it"
             ),
+            Alias::NotResizable => {
+                write!(f, "has a storage marked non-resizable, as x.numpy() leaves it: a numpy array may still read it")
+            }
             Alias::NotDense => write!(f, "has overlapping or non-dense memory (a stride-0 dimension or gaps)"),
             Alias::PartOfStorage { offset, nbytes, storage_nbytes } => write!(
                 f,
@@ -266,8 +275,11 @@ pub fn check_exclusive(t: &Tensor, handles: i64) -> std::result::Result<(), Alia
         Memory::None => return Ok(()), // nothing to read, nothing written
         Memory::NotDense => return Err(Alias::NoStorage),
     };
-    if f.storage_resizable == 0 || f.storage_has_allocator == 0 || f.deleter_is_allocators == 0 {
+    if f.storage_has_allocator == 0 || f.deleter_is_allocators == 0 {
         return Err(Alias::ForeignMemory);
+    }
+    if f.storage_resizable == 0 {
+        return Err(Alias::NotResizable);
     }
     if f.tensor_uses > handles {
         return Err(Alias::OtherHandles(f.tensor_uses - handles));

@@ -55,7 +55,7 @@ def test_writes_report_results_and_plots(quick_report):
     assert data["complete"] is True
     variants = {r["variant"] for r in data["results"]}
     for v in ["eager/op_plus_x", "eager/iadd", "eager/iadd_clone", "eager/first_out_of_place", "eager/copy_iadd",
-              "eager/preallocated", "eager/x_plus_op", "rust/forward", "rust/forward_owned",
+              "eager/preallocated", "eager/x_plus_op", "rust/forward", "rust/forward_owned", "cpp/forward", "cpp/loop",
               "rust/forward_owned_donate", "rust/loop"]:  # fmt: skip
         assert v in variants
     assert len(data["results"]) == len(variants) * len(data["config"]["shapes"]) * len(data["config"]["batches"])
@@ -181,7 +181,13 @@ def expected_row(data: dict, heading: str, caption: str, header: list[str], row:
         return row[:3] + [fmt(p["aten_ops_per_call"]), fmt(p["self_cpu_ms_per_call"]), cuda, top]
     if heading == "The boundary":
         b = next(b for b in data["boundary"] if (str(b["batch"]), b["shape"]) == tuple(row[:2]))
-        return row[:2] + [f"{fmt(b['echo_us'])} ({fmt(b['echo_iqr_us'])})", f"{fmt(b['echo_checked_us'])} ({fmt(b['echo_checked_iqr_us'])})", fmt(b["checked_over_echo"])]
+        return row[:2] + [
+            f"{fmt(b['echo_us'])} ({fmt(b['echo_iqr_us'])})",
+            f"{fmt(b['echo_checked_us'])} ({fmt(b['echo_checked_iqr_us'])})",
+            fmt(b["checked_over_echo"]),
+            f"{fmt(b['donation_check_us'])} ({fmt(b['donation_check_iqr_us'])})",
+            f"{fmt(b['ownership_check_us'])} ({fmt(b['ownership_check_iqr_us'])})",
+        ]
     if heading == "A whole UNet step":
         u = next(u for u in data["unet_step"]["rows"] if u["name"] == row[0])
         vs = "reference" if u["name"] == "eager" else _ratio(u["vs_eager"], u["vs_eager_q1"], u["vs_eager_q3"])

@@ -14,11 +14,12 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.add_parser("report", help="the benchmark report: REPORT.md, results.json, plots")
     report.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available, else cpu")
     size = report.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", default=None, help="small shapes, about a minute on 2 CPU cores (the CPU default)")
+    size.add_argument("--quick", action="store_true", default=None, help="small shapes, about two minutes on 2 CPU cores (the CPU default)")
     size.add_argument("--full", dest="quick", action="store_false", help="SD v1 shapes (the CUDA default; long on a CPU)")
     report.add_argument("--out", default="report", help="output directory (default: ./report)")
     report.add_argument("--no-unet", action="store_true", help="skip the full-UNet-step comparison")
     report.add_argument("--no-compile", action="store_true", help="skip torch.compile (its compile time dominates a GPU run)")
+    report.add_argument("--no-compilers", action="store_true", help="skip the JAX and ONNX Runtime rows (extra plusequals[compilers])")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(skip_compile_fail=args.skip_compile_fail)
     from .report import run as run_report
 
-    return run_report(device=args.device, quick=args.quick, out=args.out, unet=not args.no_unet, compile=not args.no_compile)
+    return run_report(device=args.device, quick=args.quick, out=args.out, unet=not args.no_unet, compile=not args.no_compile, compilers_flag=not args.no_compilers)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ PY_ROUTES = [
     PyRoute("copy.copy kept", "kept = copy.copy(x)", lambda x, c: (x, [copy.copy(x)], c), "x", "storage"),
     PyRoute("context overlaps x", "context = x[..., :12]", _context_overlaps, "context", "overlaps x"),
     PyRoute("numpy memory", "x = torch.from_numpy(a)", _numpy, "x", "numpy"),
+    PyRoute("x.numpy() kept", "a = x.numpy()", lambda x, c: (x, [x.numpy()], c), "x", "numpy"),
     PyRoute("dlpack memory", "x = torch.from_dlpack(a)", _dlpack, "x", "dlpack"),
     PyRoute("frombuffer memory", "x = torch.frombuffer(buf, ...)", _frombuffer, "x", "frombuffer"),
 ]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import os
 import time
 import timeit as _timeit
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ import torch
 from torch.utils import benchmark
 
 from .blocks import STRATEGIES, BasicTransformerBlock, randomize_
-from .rust import RustBlock
+from .rust import CppBlock, RustBlock
 
 
 @dataclass(frozen=True)
@@ -426,12 +427,35 @@ def rust_variants(s: Setup, loop_n: int) -> list[Variant]:
     ]
 
 
+def cpp_variants(s: Setup, loop_n: int) -> list[Variant]:
+    """The C++ twin (cpp/block.cpp): called from Python, and looping inside C++ (no Python, no
+    tch: the floor for host cost per call without CUDA graphs)."""
+    cpp, x, c = CppBlock.from_torch(s.block), s.x, s.context
+    return [
+        Variant("cpp/forward", "cpp", lambda: cpp.forward(x, c), "one forward in C++ (ATen), with CppBlock's Python checks and the crossing"),
+        Variant(
+            "cpp/loop",
+            "cpp",
+            lambda: cpp.forward_loop(x, c, n=loop_n),
+            f"{loop_n} forwards inside one C++ call, divided by {loop_n} (ATen directly, no tch layer)",
+            per_call=loop_n,
+        ),
+    ]
+
+
 def echo_probes(s: Setup) -> dict[str, Callable[[], object]]:
-    """The boundary with no op: ``echo`` raw (unwrap, GIL release, wrap), and the same call
-    through ``RustBlock.forward``'s own checks (a RustBlock whose Rust ``forward`` is ``echo``)."""
+    """The boundary with no op: ``echo`` raw (unwrap, GIL release, wrap), the same call through
+    ``RustBlock.forward``'s own checks (a RustBlock whose Rust ``forward`` is ``echo``), and a
+    donation's checks without the move (``donation_check``: shapes, dtype, libtorch's
+    ownership counts; their cost is this minus the raw echo)."""
     checked = RustBlock(SimpleNamespace(forward=s.rust._block.echo), s.rust._device)  # type: ignore[arg-type]
     x, c = s.x, s.context
-    return {"echo": lambda: s.rust._block.echo(x, c), "echo_checked": lambda: checked.forward(x, c)}
+    owned = x.clone()  # a tensor only this probe holds: s.x is shared with JAX/ONNX Runtime rows
+    return {
+        "echo": lambda: s.rust._block.echo(x, c),
+        "echo_checked": lambda: checked.forward(x, c),
+        "donation_check": lambda: s.rust._block.donation_check(owned, c),
+    }
 
 
 def graph_variants(s: Setup) -> list[Variant]:
@@ -491,9 +515,15 @@ def profile_ops(fn: Callable[[], object], device: str, calls: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    # Kineto probes for a GPU when it starts and logs an ERROR line on a machine without one;
+    # its log level is read from the environment once, at that start (5: fatal only).
+    if device != "cuda":
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     fn()
     sync(device)
-    with profile(activities=activities) as prof:
+    # acc_events: one cycle is all this records; without it torch.profiler warns that it clears
+    # events at the end of each cycle.
+    with profile(activities=activities, acc_events=True) as prof:
         for _ in range(calls):
             fn()
         sync(device)

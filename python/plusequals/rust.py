@@ -393,9 +393,10 @@ def _check_donatable(x: Tensor, context: Optional[Tensor]) -> None:
     rules and more from libtorch's own counts, atomically with the move, and is the authority."""
     if not x.untyped_storage().resizable():
         raise ValueError(
-            "x cannot be donated: its memory is not libtorch's (torch.from_numpy, torch.from_dlpack, "
-            "torch.frombuffer, or a shared-memory tensor): its owner, such as the numpy array, still reads it "
-            "and would see the in-place writes; pass donate=False"
+            "x cannot be donated: its storage is not resizable, so its memory is not libtorch's alone "
+            "(torch.from_numpy, torch.from_dlpack, torch.frombuffer, a shared-memory tensor, or x.numpy() taken "
+            "earlier): its owner, such as a numpy array, may still read it and would see the in-place writes; "
+            "pass donate=False"
         )
     if x._base is not None:
         raise ValueError("x cannot be donated: it is a view of another tensor, which would see the in-place writes")

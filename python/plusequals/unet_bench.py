@@ -4,6 +4,8 @@ the transformer blocks. Needs the optional ``diffusers`` dependency."""
 
 from __future__ import annotations
 
+import logging
+
 import copy
 import time
 from typing import Any, Callable, Optional
@@ -49,7 +51,14 @@ def measure(
     small = quick
     config = small_unet_config() if small else sd_v1_unet_config()
     torch.manual_seed(0)
-    unet = UNet2DConditionModel(**config).to(device, dtype).eval()
+    # diffusers logs "modules ... should be kept in float32: []" on every .to(dtype): an empty list, noise
+    quiet = logging.getLogger("diffusers.models.modeling_utils")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        unet = UNet2DConditionModel(**config).to(device, dtype).eval()
+    finally:
+        quiet.setLevel(level)
     batch, size = 2, config["sample_size"]
     g = torch.Generator().manual_seed(1)
     sample = torch.randn(batch, 4, size, size, generator=g).to(device, dtype)
