@@ -159,3 +159,19 @@ def _same(a, b) -> bool:
     if isinstance(a, np.ndarray):
         return np.array_equal(a.view(np.uint8), b.view(np.uint8))
     return same_bits(a, b)
+
+
+def test_a_tensor_jax_holds_through_dlpack_is_refused_until_jax_lets_go():
+    """``jax.dlpack.from_dlpack(x)`` shares x's memory (no copy) and holds a handle on it: the
+    donation is refused while the JAX array lives, and goes through once it is gone."""
+    jax_dlpack = pytest.importorskip("jax.dlpack", reason="needs the optional extra plusequals[compilers]")
+    block, raw = _raw_block()
+    x, c = small_inputs()
+    held = jax_dlpack.from_dlpack(x)
+    before = x.clone()
+    with torch.no_grad(), pytest.raises(ValueError, match="^x .*handle"):
+        raw.forward_owned(x, c, donate=True)
+    assert same_bits(x, before)
+    del held
+    with torch.no_grad():
+        assert_matches(raw.forward_owned(x, c, donate=True), block(before, c))
