@@ -273,6 +273,7 @@ fn alias_routes(py: Python<'_>) -> Vec<(String, String)> {
                     }
                     Ok(Outcome::Refused { error, .. }) => format!("refused: {error}"),
                     Ok(Outcome::Written) => "written (tch's own API)".to_string(),
+                    Ok(Outcome::Untouched) => "NOT REFUSED, and nothing written".to_string(),
                     Err(error) => format!("route failed: {error}"),
                 };
                 (route.name.to_string(), outcome)
