@@ -45,7 +45,8 @@ test-python: build-dev
 
 test-rust: venv
 	@scripts/step.sh "build: cargo test binaries (debug)" $(LOG) cargo test --tests --no-run
-	cargo test --tests -q
+	@# CARGO_TERM_QUIET: trybuild's own cargo runs print no Compiling lines (mismatches still show)
+	CARGO_TERM_QUIET=true cargo test --tests -q
 
 test: lint test-rust test-python
 

@@ -19,6 +19,7 @@ fn cases() -> Vec<(&'static str, &'static str)> {
 #[test]
 fn ui() {
     every_snapshot_states_its_error_code();
+    every_fixed_twin_asserts_instead_of_printing();
     // The twins run as binaries of trybuild's own crate, which do not get this crate's rpath.
     let lib = env!("PLUSEQUALS_LIBTORCH_LIB");
     let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
@@ -38,5 +39,16 @@ fn every_snapshot_states_its_error_code() {
             .unwrap_or_else(|e| panic!("tests/ui/{case}.stderr: {e}"));
         let first = stderr.lines().find(|l| l.starts_with("error")).unwrap_or_default();
         assert_eq!(first.get(..12), Some(format!("error[{code}]").as_str()), "{case}: {first}");
+    }
+}
+
+/// A `_fixed` twin proves its point with an assertion: what it printed would only be noise in
+/// `make test`'s output (trybuild shows a passing binary's stdout).
+fn every_fixed_twin_asserts_instead_of_printing() {
+    for (case, _) in cases() {
+        let path = format!("tests/ui/{case}_fixed.rs");
+        let src = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert!(!src.contains("print!") && !src.contains("println!"), "{path} prints");
+        assert!(src.contains("assert"), "{path} asserts nothing");
     }
 }

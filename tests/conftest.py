@@ -1,5 +1,7 @@
+import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,3 +47,23 @@ def block():
 @pytest.fixture
 def rust(block):
     return RustBlock.from_torch(block)
+
+
+@pytest.fixture(scope="session")
+def quick_report_run(tmp_path_factory):
+    """One `python -m plusequals report --quick --device cpu --json` for the whole session
+    (test_report.py, test_summary.py): its directory, stdout (the summary's JSON) and stderr."""
+    out = tmp_path_factory.mktemp("report")
+    proc = subprocess.run(
+        [sys.executable, "-m", "plusequals", "report", "--quick", "--device", "cpu", "--out", str(out), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return SimpleNamespace(out=out, stdout=proc.stdout, stderr=proc.stderr)
+
+
+@pytest.fixture(scope="session")
+def quick_report(quick_report_run):
+    return quick_report_run.out

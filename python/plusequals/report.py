@@ -7,6 +7,7 @@ results.json is rewritten after every measurement, so an interrupted run keeps w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -191,14 +192,26 @@ def run(
     unet: bool = True,
     compile: bool = True,
     compilers_flag: bool = True,
+    output: str = "rich",
 ) -> int:
-    """``quick=None``: quick shapes on the CPU (SD v1 shapes are long on a small CPU), SD v1 shapes on CUDA."""
-    console = Console()
+    """``quick=None``: quick shapes on the CPU (SD v1 shapes are long on a small CPU), SD v1 shapes on CUDA.
+    ``output``: "rich" (progress, then the summary), "quiet" (REPORT.md's path alone) or "json"
+    (the summary as JSON, alone on stdout)."""
+    from . import summary
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     quick = (device == "cpu") if quick is None else quick
     if device == "cuda" and not torch.cuda.is_available():
-        console.print("[red]--device cuda: no CUDA device is available[/]")
+        Console(stderr=True).print("[red]--device cuda: no CUDA device is available[/]")
         return 2
+    console = Console(quiet=output != "rich")
+    with summary.stdout_to_stderr() if output == "json" else contextlib.nullcontext():
+        data, outdir = _measure(device, quick, out, unet, compile, compilers_flag, console)
+    summary.emit(data, outdir, output, console)
+    return 0
+
+
+def _measure(device: str, quick: bool, out: str, unet: bool, compile: bool, compilers_flag: bool, console: Console) -> tuple[dict, Path]:
     dtype = torch.float16 if device == "cuda" else torch.float32
     shapes = bench.QUICK_SHAPES if quick else bench.SD_V1_SHAPES
     context = bench.QUICK_CONTEXT if quick else bench.SD_V1_CONTEXT
@@ -338,8 +351,7 @@ def run(
     rec.flush()
     (outdir / "REPORT.md").write_text(render(rec.data))
     plots(rec.data, outdir)
-    console.print(f"wrote {outdir / 'REPORT.md'}, {outdir / 'results.json'} and plots in {rec.data['elapsed_s']:.0f} s")
-    return 0
+    return rec.data, outdir
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -695,65 +707,130 @@ def render(data: dict) -> str:
     return "\n".join(md) + "\n"
 
 
-def verdicts(data: dict) -> list[str]:
-    """Sentences whose every number is a paired ratio or a count from results.json."""
-    cfg = data["config"]
-    shapes = [s["label"] for s in cfg["shapes"]]
-    ref = cfg["reference"]
-    out = []
+def compare(data: dict, batch: int, variant: str, vs: str) -> Optional[dict]:
+    """``variant / vs`` across the shapes of one batch: the paired medians' range, and in how many
+    cells ``variant`` is faster (Q3 < 1), slower (Q1 > 1) or within noise (the interval holds 1)."""
+    shapes = [s["label"] for s in data["config"]["shapes"]]
+    ps = [p for sh in shapes if (p := _paired(data, batch, sh, variant, vs))]
+    if not ps:
+        return None
+    return {
+        "variant": variant,
+        "vs": vs,
+        "batch": batch,
+        "lo": min(p["median"] for p in ps),
+        "hi": max(p["median"] for p in ps),
+        "cells": len(ps),
+        "within_noise": sum(p["within_noise"] for p in ps),
+        "faster": sum(p["q3"] < 1 for p in ps),
+        "slower": sum(p["q1"] > 1 for p in ps),
+    }
 
-    def across(variant: str, batch: int, vs: str = ref) -> Optional[str]:
-        ps = [p for sh in shapes if (p := _paired(data, batch, sh, variant, vs))]
-        if not ps:
-            return None
-        lo, hi = min(p["median"] for p in ps), max(p["median"] for p in ps)
-        noise = sum(p["within_noise"] for p in ps)
-        return f"{fmt(lo)} to {fmt(hi)} across shapes, within noise at {noise} of {len(ps)}"
+
+def answer(c: dict) -> str:
+    """What a comparison says, in words a reader can act on; counts only, from ``compare``."""
+    n, f, s, w = c["cells"], c["faster"], c["slower"], c["within_noise"]
+    if w == n:
+        return f"same time within noise (all {n} cells)"
+    if f == n or s == n:
+        return f"{'faster' if f else 'slower'} in all {n} cells"
+    parts = [f"{what} in {k}" for what, k in (("faster", f), ("slower", s), ("within noise", w)) if k]
+    return ", ".join(parts) + f" of {n} cells"
+
+
+def _across(c: dict) -> str:
+    return f"{fmt(c['lo'])} to {fmt(c['hi'])} across shapes, within noise at {c['within_noise']} of {c['cells']}"
+
+
+def verdict_items(data: dict) -> list[dict]:
+    """The report's questions, each with its paired comparisons (``compare``) and the sentence
+    REPORT.md prints; every number is a paired ratio or a count from results.json."""
+    cfg = data["config"]
+    ref = cfg["reference"]
+    out: list[dict] = []
+
+    def item(question: str, batch: Optional[int], comparisons: list[dict], text: str, answer_text: Optional[str] = None) -> None:
+        head = comparisons[0] if comparisons else None
+        out.append(
+            {
+                "question": question,
+                "batch": batch,
+                "comparisons": comparisons,
+                "answer": answer_text or (f"`{head['variant']}` {answer(head)}" if head else ""),
+                "answer_only": answer_text is not None,
+                "text": text,
+            }
+        )
 
     for batch in cfg["batches"]:
-        if sp := across("eager/iadd", batch):
-            out.append(f"- Is `+=` faster (batch {batch})? `eager/iadd` / `{ref}`: {sp}.")
+        if ia := compare(data, batch, "eager/iadd", ref):
+            item("Is `+=` faster?", batch, [ia], f"- Is `+=` faster (batch {batch})? `eager/iadd` / `{ref}`: {_across(ia)}.")
         sw = next((w for w in data.get("same_work", []) if w["batch"] == batch), None)
         if sw:
             strays = "; outside noise: " + ", ".join(sw["outside_noise"]) if sw["outside_noise"] else ""
-            out.append(
+            item(
+                "Same work, spelled differently",
+                batch,
+                [c for v in cfg["same_work"] if (c := compare(data, batch, v, ref))],
                 f"- Same work, spelled differently (batch {batch}): {', '.join(f'`{v}`' for v in cfg['same_work'])} / `{ref}`: "
                 f"{fmt(sw['min'])} to {fmt(sw['max'])}; inside ±{cfg['same_work_band_pct']}% in {sw['inside_band']} of {sw['cells']} cells, "
-                f"within noise in {sw['within_noise']} of {sw['cells']}{strays}."
+                f"within noise in {sw['within_noise']} of {sw['cells']}{strays}.",
+                f"inside ±{cfg['same_work_band_pct']}%: {sw['inside_band']}/{sw['cells']}; ≈ {sw['within_noise']}/{sw['cells']}",
             )
-        rs, lp = across("rust/forward", batch), across("rust/loop", batch)
+        rs, lp = compare(data, batch, "rust/forward", ref), compare(data, batch, "rust/loop", ref)
         if rs and lp:
-            out.append(f"- Is Python the bottleneck (batch {batch})? `rust/forward` / `{ref}`: {rs}; `rust/loop` / `{ref}`: {lp}.")
-        cf, cl, tch = across("cpp/forward", batch), across("cpp/loop", batch), across("rust/loop", batch, "cpp/loop")
-        if cf and cl and tch:
-            out.append(
-                f"- Rust or tch (batch {batch})? `cpp/forward` / `{ref}`: {cf}; `cpp/loop` / `{ref}`: {cl}. "
-                f"The tch layer (its C API, a heap handle per op): `rust/loop` / `cpp/loop`: {tch}."
+            item(
+                "Is Python the bottleneck?",
+                batch,
+                [rs, lp],
+                f"- Is Python the bottleneck (batch {batch})? `rust/forward` / `{ref}`: {_across(rs)}; `rust/loop` / `{ref}`: {_across(lp)}.",
             )
-        if gp := across("graph/op_plus_x", batch):
-            out.append(f"- The launch-free floor (batch {batch}): `graph/op_plus_x` / `{ref}`: {gp}.")
-        if gi := across("graph/iadd", batch, "graph/op_plus_x"):
-            out.append(f"- `+=` without launch overhead (batch {batch}): `graph/iadd` / `graph/op_plus_x`: {gi}.")
-        for mode in ("default", "reduce-overhead"):
-            if cp := across(f"compile/{mode}", batch):
-                out.append(f"- Should a compiler do it (batch {batch})? `compile/{mode}` / `{ref}`: {cp}.")
+        cf, cl, tch = compare(data, batch, "cpp/forward", ref), compare(data, batch, "cpp/loop", ref), compare(data, batch, "rust/loop", "cpp/loop")
+        if cf and cl and tch:
+            item(
+                "Rust or tch?",
+                batch,
+                [tch, cf, cl],
+                f"- Rust or tch (batch {batch})? `cpp/forward` / `{ref}`: {_across(cf)}; `cpp/loop` / `{ref}`: {_across(cl)}. "
+                f"The tch layer (its C API, a heap handle per op): `rust/loop` / `cpp/loop`: {_across(tch)}.",
+            )
+        if gp := compare(data, batch, "graph/op_plus_x", ref):
+            item("The launch-free floor", batch, [gp], f"- The launch-free floor (batch {batch}): `graph/op_plus_x` / `{ref}`: {_across(gp)}.")
+        if gi := compare(data, batch, "graph/iadd", "graph/op_plus_x"):
+            item("`+=` without launch overhead?", batch, [gi], f"- `+=` without launch overhead (batch {batch}): `graph/iadd` / `graph/op_plus_x`: {_across(gi)}.")
+        cps = [c for mode in ("default", "reduce-overhead") if (c := compare(data, batch, f"compile/{mode}", ref))]
+        for cp in cps:
+            item("Should a compiler do it?", batch, [cp], f"- Should a compiler do it (batch {batch})? `{cp['variant']}` / `{ref}`: {_across(cp)}.")
     if cv := data.get("compiler_verdict"):
         in_place = ", ".join(f"`{v}`" for v in cv.get("in_place", [])) or "none"
         reuse = ", ".join(f"`{v}`" for v in cv.get("reuses_buffers", [])) or "none"
-        out.append(
+        item(
+            "Which compiler makes the residual add in place?",
+            cv["batch"],
+            [],
             f"- Which compiler turns `x = op(norm(x)) + x` into an in-place add (measured at batch {cv['batch']}, {cv['shape']})? "
-            f"Output written into x's own buffer: {in_place}. Residual sums into buffers the plan already held: {reuse}."
+            f"Output written into x's own buffer: {in_place}. Residual sums into buffers the plan already held: {reuse}.",
+            f"writes into x's buffer: {in_place}; reuses its own buffers: {reuse} ({cv['shape']})",
         )
     steps = {(p["batch"], p["variant"]): p for p in data["per_step"]}
     seed = cfg["seed_claim"]
     b = steps.get((2, "eager/iadd"), {})
     if "vs_reference" in b:
-        out.append(
+        item(
+            "The seed's ~7%?",
+            2,
+            [],
             f"- The seed's \"{fmt(seed['before_it_per_s'])} -> {fmt(seed['after_it_per_s'])} it/s\" (~{fmt(seed['speedup_pct'])}%) "
             f"is a step time ratio of {fmt(seed['step_time_ratio'])}. For the blocks alone at batch 2, `eager/iadd` / `{ref}` per step, "
-            f"paired: {fmt(b['vs_reference'])}."
+            f"paired: {fmt(b['vs_reference'])}.",
+            f"claimed step ratio {fmt(seed['step_time_ratio'])}; blocks per step here, `eager/iadd` / `{ref}`: {fmt(b['vs_reference'])}",
         )
     return out
+
+
+def verdicts(data: dict) -> list[str]:
+    """REPORT.md's verdict sentences."""
+    return [v["text"] for v in verdict_items(data)]
 
 
 def plots(data: dict, outdir: Path) -> None:

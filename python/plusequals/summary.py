@@ -1,0 +1,195 @@
+"""The report's answers in the terminal: the verdicts (each a paired ratio with its spread over
+the shapes and how many cells are within noise), the targets with their statuses, and where
+REPORT.md is. ``build`` makes it from results.json alone; ``show`` prints it with rich;
+``--json`` prints ``build``'s dict instead.
+
+``python -m plusequals summary [DIR]`` prints it again for a finished report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Iterator
+
+from rich.console import Console
+from rich.markup import escape
+from rich.padding import Padding
+from rich.table import Table
+
+from . import report
+
+SCHEMA = 1
+INFORMATIONAL = "informational: targets are for the H200, full shapes"
+STATUS_STYLE = {"met": "green", "missed": "red", "not measurable here": "dim"}
+
+
+class IncompleteReport(Exception):
+    """results.json is from a run that did not finish: it has rows but no verdicts."""
+
+
+def build(data: dict, outdir: Path) -> dict:
+    """The summary of one report, every number taken from ``data`` (results.json)."""
+    if not data.get("complete"):
+        raise IncompleteReport(f"{outdir / 'results.json'} is from an interrupted run (no verdicts yet): run `make report` again")
+    cfg, env = data["config"], data["environment"]
+    on_target = cfg["device"] == report.TARGET_DEVICE and not cfg["quick"]
+    return {
+        "schema": SCHEMA,
+        "report": str(outdir / "REPORT.md"),
+        "results": str(outdir / "results.json"),
+        "plots": sorted(str(p) for p in outdir.glob("*.png")),
+        "device": cfg["device"],
+        "machine": env.get("gpu") or f"{env['cpu']}, {env['cpu_threads']} threads",
+        "dtype": cfg["dtype"],
+        "quick": cfg["quick"],
+        "informational": not on_target,
+        "elapsed_s": data.get("elapsed_s"),
+        "reference": cfg["reference"],
+        "verdicts": report.verdict_items(data),
+        "targets": [t | {"state": t["status"].split(" (")[0]} for t in data["targets"]],
+    }
+
+
+def _md(text: str) -> str:
+    """REPORT.md's `code` spans as rich markup, everything else escaped."""
+    return re.sub(r"`([^`]+)`", r"[cyan]\1[/]", escape(text))
+
+
+def _cell(c: dict) -> str:
+    """One comparison at one batch: the range of paired medians over the shapes, then in how
+    many cells the first is faster, slower, or the same within noise."""
+    rng = report.fmt(c["lo"]) if c["lo"] == c["hi"] else f"{report.fmt(c['lo'])}–{report.fmt(c['hi'])}"
+    n = c["cells"]
+    counts = [f"[green]faster {c['faster']}/{n}[/]" if c["faster"] else "", f"[red]slower {c['slower']}/{n}[/]" if c["slower"] else ""]
+    counts.append(f"≈ {c['within_noise']}/{n}" if c["within_noise"] else "")
+    return f"{rng}\n" + " ".join(x for x in counts if x)
+
+
+def _measured(g: dict) -> str:
+    return "-" if g["value"] is None else f"{report.fmt(g['value'])} {g['unit'].replace(' (worst shape)', '')}"
+
+
+def _label(c: dict, reference: str) -> str:
+    return c["variant"] if c["vs"] == reference else f"{c['variant']} / {c['vs']}"
+
+
+def verdict_table(s: dict) -> tuple[Table, list[dict]]:
+    """The verdicts asked at every batch: one row per comparison, a column per batch. The ones
+    asked once (their answers are sentences) are returned to be printed on lines of their own."""
+    batches = sorted({v["batch"] for v in s["verdicts"]})
+    asked: dict[str, list[dict]] = {}
+    for v in s["verdicts"]:
+        asked.setdefault(v["question"], []).append(v)
+    t = Table(box=None, padding=(0, 1), pad_edge=False)
+    t.add_column("", min_width=30)
+    for b in batches:
+        t.add_column(f"batch {b}")
+    once = []
+    for question, items in asked.items():
+        if len(items) == 1 and items[0]["answer_only"]:
+            once += items
+            continue
+        t.add_row(f"[bold]{_md(question)}[/]", *[""] * len(batches))
+        if items[0]["answer_only"]:
+            answers = {v["batch"]: _md(v["answer"]).replace("; ", "\n") for v in items}
+            t.add_row("", *[answers.get(b, "-") for b in batches])
+            continue
+        rows: dict[str, dict[int, dict]] = {}
+        for v in items:
+            for c in v["comparisons"]:
+                rows.setdefault(_label(c, s["reference"]), {})[v["batch"]] = c
+        for label, at in rows.items():
+            t.add_row(f"  {escape(label)}", *[_cell(at[b]) if b in at else "-" for b in batches])
+    return t, once
+
+
+def show(s: dict, console: Console) -> None:
+    """The summary: legible at 80 columns, no table borders."""
+    shapes = "quick shapes" if s["quick"] else "SD v1 shapes"
+    console.rule(f"[bold]plusequals report[/]: {s['device']} {s['dtype']}, {shapes}")
+    console.print(f"[dim]{escape(s['machine'])}[/]")
+    if s["informational"]:
+        where = " at ".join(w for w in ("a CPU" if s["device"] == "cpu" else "", "quick shapes" if s["quick"] else "") if w)
+        console.print(
+            f"[yellow]Informational:[/] times from {where}. The targets are for the H200 at SD v1 shapes; "
+            "here the ratios show the method, not the verdict."
+        )
+    console.print()
+    console.print(
+        f"[bold]Verdicts[/] [dim]time / {s['reference']} (or a / b), paired in each round: the lowest–highest median "
+        "over the shapes, then in how many cells it is faster or slower ([Q1, Q3] below or above 1) or ≈ (within noise)[/]"
+    )
+    table, once = verdict_table(s)
+    console.print(table)
+    for v in once:
+        console.print(f"[bold]{_md(v['question'])}[/]")
+        console.print(Padding(_md(v["answer"]), (0, 0, 0, 2)))
+    console.print()
+    targets = [
+        (f"[{STATUS_STYLE.get(g['state'], 'default')}]{g['state']}[/]", escape(g["target"]), _measured(g), report.fmt(g["limit"]))
+        for g in s["targets"]
+    ]
+    if console.width < max(len(g["state"]) + len(g["target"]) + len(_measured(g)) for g in s["targets"]) + 12:
+        console.print("[bold]Targets[/]")  # narrow: each target on its own line, its numbers below
+        for state, target, measured, limit in targets:
+            console.print(f"{state}  {target}")
+            console.print(f"    [dim]measured[/] {measured}[dim], limit[/] {limit}")
+    else:
+        t = Table(box=None, padding=(0, 1), pad_edge=False)
+        for name, justify in (("[bold]Targets[/]", "left"), ("", "left"), ("measured", "right"), ("limit", "right")):
+            t.add_column(name, no_wrap=True, justify=justify)
+        for row in targets:
+            t.add_row(*row)
+        console.print(t)
+    if s["informational"]:
+        console.print(f"[dim]({INFORMATIONAL}; measured: the worst shape)[/]")
+    took = f" in {s['elapsed_s']:.0f} s" if s.get("elapsed_s") else ""
+    console.print(f"Full report{took}: [bold]{escape(s['report'])}[/] [dim](every number: {escape(s['results'])})[/]")
+
+
+def emit(data: dict, outdir: Path, output: str, console: Console) -> None:
+    """The end of a report run: the rich summary, the REPORT.md path alone (quiet), or the
+    summary as JSON on stdout."""
+    if output == "quiet":
+        print(outdir / "REPORT.md")
+        return
+    s = build(data, outdir)
+    if output == "json":
+        print(json.dumps(s, indent=2, ensure_ascii=False))
+    else:
+        show(s, console)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """While a ``--json`` run measures, whatever prints to stdout (Python or C) goes to stderr,
+    so that stdout ends up holding the summary's JSON alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def main(directory: str, as_json: bool) -> int:
+    outdir = Path(directory)
+    path = outdir / "results.json"
+    if not path.exists():
+        print(f"{path}: no report there: run `make report` (or `python -m plusequals report --out {outdir}`)", file=sys.stderr)
+        return 2
+    try:
+        emit(json.loads(path.read_text()), outdir, "json" if as_json else "rich", Console())
+    except IncompleteReport as e:
+        print(e, file=sys.stderr)
+        return 2
+    return 0
