@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from plusequals import bench
 from plusequals.report import NUMBER, fmt
@@ -91,6 +92,45 @@ def test_times_and_ratios_are_recomputable_from_the_raw_rounds(quick_report):
         assert p["within_noise"] == (q1 <= 1 <= q3)
 
 
+def test_the_host_cost_cell_ran_on_one_thread_at_the_tiny_shape_in_seeded_rounds(quick_report):
+    """batch 1, 4 tokens x width 32, one intra-op thread: every variant of bench.HOST_VARIANTS
+    the device has, in shuffled rounds whose times and paired ratios recompute from the raw
+    samples; and the thread count is restored for what follows."""
+    data = json.loads((quick_report / "results.json").read_text())
+    hc = data["host_cost"]
+    assert (hc["batch"], hc["shape"]["label"], hc["context"], hc["threads"]) == (1, "4x32", [4, 32], 1)
+    cell = hc["cell"]
+    assert {r["variant"] for r in hc["rows"]} == set(bench.HOST_VARIANTS) - {"graph/op_plus_x"}  # no CUDA graphs on the CPU
+    assert cell["orders"] == bench.shuffled_orders(list(cell["raw_ms"]), data["config"]["max_rounds"], cell["seed"])[: cell["rounds"]]
+    assert cell["seed"] not in {c["seed"] for c in data["cells"]}
+    rows = {r["variant"]: r for r in hc["rows"]}
+    for r in hc["rows"]:
+        reset = cell["raw_ms"].get(f"reset:{r['variant']}", [0.0] * cell["rounds"])
+        per_call = hc["rust_loop_n"] if r["variant"].endswith("/loop") else 1
+        assert r["rounds_ms"] == pytest.approx([(t - z) / per_call for t, z in zip(cell["raw_ms"][r["variant"]], reset)])
+    for p in hc["paired"]:
+        ratios = np.array(rows[p["variant"]]["rounds_ms"]) / np.array(rows[p["vs"]]["rounds_ms"])
+        assert p["median"] == pytest.approx(np.median(ratios))
+    assert {(p["variant"], p["vs"]) for p in hc["paired"]} >= {("rust/forward", "eager/op_plus_x"), ("cpp/loop", "eager/op_plus_x"), ("rust/loop", "cpp/loop")}
+
+
+def test_the_host_cost_cell_times_on_one_thread_and_restores_the_count(monkeypatch):
+    from plusequals import report
+
+    seen = []
+    real = bench.interleaved_rounds
+
+    def spy(*args, **kw):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(bench, "interleaved_rounds", spy)
+    before = torch.get_num_threads()
+    hc = report.host_cost("cpu", torch.float32, rounds=3, max_rounds=3, extra_s=0.0, sample_s=0.002, seed=7)
+    assert seen == [bench.HOST_THREADS] and torch.get_num_threads() == before
+    assert hc["cell"]["rounds"] == 3 and len(hc["rows"]) == len(bench.HOST_VARIANTS) - 1
+
+
 # ----------------------------------------------------------------------------- REPORT.md, cell by cell
 def tables(md: str) -> list[tuple[str, str, list[str], list[list[str]]]]:
     """Every markdown table: (section heading, the line of text just above it, header, rows)."""
@@ -166,6 +206,12 @@ def expected_row(data: dict, heading: str, caption: str, header: list[str], row:
         cuda = "-" if p["self_cuda_ms_per_call"] is None else fmt(p["self_cuda_ms_per_call"])
         top = ", ".join(f"{t['op'][6:]} {fmt(t['ms_per_call'])}" for t in p["top"][:3])
         return row[:3] + [fmt(p["aten_ops_per_call"]), fmt(p["self_cpu_ms_per_call"]), cuda, top]
+    if caption.startswith("Host cost"):
+        hc = data["host_cost"]
+        r = next(r for r in hc["rows"] if r["variant"] == label)
+        p = next((p for p in hc["paired"] if (p["variant"], p["vs"]) == (label, ref)), None)
+        ratio = "-" if p is None else _ratio(p["median"], p["q1"], p["q3"])
+        return [row[0], f"{fmt(r['median_ms'] * 1e3)} ({fmt(r['iqr_ms'] * 1e3)})", ratio, r["note"]]
     if heading == "The boundary":
         b = next(b for b in data["boundary"] if (str(b["batch"]), b["shape"]) == tuple(row[:2]))
         return row[:2] + [
@@ -206,7 +252,7 @@ def test_every_table_cell_matches_its_row_and_column_in_results_json(quick_repor
     md = (quick_report / "REPORT.md").read_text()
     found = tables(md)
     captions = " ".join(f"{h} {c}" for h, c, _, _ in found)
-    for must in ("Median ms (IQR ms)", "Paired ratio to", "Drift", "Per UNet step", "The boundary", "Targets"):
+    for must in ("Median ms (IQR ms)", "Paired ratio to", "Drift", "Per UNet step", "The boundary", "Host cost: us per call", "Targets"):
         assert must in captions, must
     variants = {f"`{r['variant']}`" for r in data["results"]}
     for _, caption, _, rows in found:

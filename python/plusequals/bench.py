@@ -60,6 +60,15 @@ QUICK_CONTEXT = (77, 192)
 
 REFERENCE = "eager/op_plus_x"
 
+# Where kernels cost almost nothing (batch 1, 4 tokens of width 32 in 4 heads of 8, a context of
+# 4 x 32, one intra-op thread): what is left of a block call is its host cost (Python's dispatch,
+# the binding, tch, ATen). At the quick shapes the kernels hide it; on a GPU at SD batch 2 it decides.
+HOST_SHAPE = Shape(4, 32, 4, 8, 0)
+HOST_BATCH = 1
+HOST_CONTEXT = (4, 32)
+HOST_THREADS = 1
+HOST_VARIANTS = ("eager/op_plus_x", "eager/iadd", "rust/forward", "rust/loop", "cpp/forward", "cpp/loop", "graph/op_plus_x")
+
 
 @dataclass
 class Variant:
@@ -441,6 +450,14 @@ def cpp_variants(s: Setup, loop_n: int) -> list[Variant]:
             per_call=loop_n,
         ),
     ]
+
+
+def host_variants(s: Setup, loop_n: int) -> list[Variant]:
+    """The host-cost cell's variants (``HOST_VARIANTS``; the CUDA-graph one on CUDA only)."""
+    every = eager_variants(s) + rust_variants(s, loop_n) + cpp_variants(s, loop_n)
+    if s.device == "cuda":
+        every += graph_variants(s)
+    return [v for v in every if v.name in HOST_VARIANTS]
 
 
 def echo_probes(s: Setup) -> dict[str, Callable[[], object]]:

@@ -185,6 +185,36 @@ def boundary_row(rounds: bench.Rounds) -> dict:
     }
 
 
+def host_cost(device: str, dtype: torch.dtype, rounds: int, max_rounds: int, extra_s: float, sample_s: float, seed: int) -> dict:
+    """The host-cost cell: ``bench.HOST_VARIANTS`` at ``bench.HOST_SHAPE``, batch 1, on one
+    intra-op thread (restored after), timed in interleaved rounds like every other cell."""
+    shape, batch, loop_n = bench.HOST_SHAPE, bench.HOST_BATCH, 50
+    threads = torch.get_num_threads()
+    torch.set_num_threads(bench.HOST_THREADS)
+    try:
+        s = bench.make_setup(shape, batch, bench.HOST_CONTEXT, device, dtype)
+        with torch.no_grad():
+            variants = bench.host_variants(s, loop_n)
+            settled = bench.paired_iqr_settled(variants, SETTLED_PAIRED_IQR)
+            timed = bench.interleaved_rounds(bench.variant_probes(variants), rounds, seed, sample_s, settled=settled, max_rounds=max_rounds, extra_s=extra_s)
+    finally:
+        torch.set_num_threads(threads)
+    rows = []
+    for v in variants:
+        ms = bench.variant_ms(timed.raw_ms, v)
+        sp = bench.spread(ms)
+        rows.append({"variant": v.name, "median_ms": sp.median, "iqr_ms": sp.iqr, "rounds": sp.n, "rounds_ms": ms, "note": v.note})
+    return {
+        "batch": batch,
+        "shape": shape.__dict__ | {"label": shape.label},
+        "context": list(bench.HOST_CONTEXT),
+        "threads": bench.HOST_THREADS,
+        "rust_loop_n": loop_n,
+        "cell": timed.record(),
+        "rows": rows,
+    }
+
+
 def run(
     device: Optional[str] = None,
     quick: Optional[bool] = None,
@@ -279,7 +309,7 @@ def _measure(device: str, quick: bool, out: str, unet: bool, compile: bool, comp
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False
     ) as progress:
-        task = progress.add_task("measuring", total=len(cells))
+        task = progress.add_task("measuring", total=len(cells) + 1)
         for index, (batch, shape) in enumerate(cells):
             s = bench.make_setup(shape, batch, context, device, dtype)
             where = {"batch": batch, "shape": shape.label}
@@ -337,6 +367,11 @@ def _measure(device: str, quick: bool, out: str, unet: bool, compile: bool, comp
             del s
             if device == "cuda":
                 torch.cuda.empty_cache()
+        progress.update(task, description=f"host cost: batch {bench.HOST_BATCH} {bench.HOST_SHAPE.label}, one thread")
+        rec.data["host_cost"] = host_cost(device, dtype, rounds, max_rounds, extra_s, sample_s, ROUND_SEED + len(cells) + 1)
+        rec.flush()
+        progress.update(task, description="measured")
+        progress.advance(task)
 
     if unet:
         from . import unet_bench
@@ -378,9 +413,14 @@ def _variants(data: dict) -> list[str]:
 
 def pair(data: dict, batch: int, shape: str, a: str, b: str) -> Optional[dict]:
     """``a / b`` of one cell, paired within each round, summarised over the rounds."""
-    ra, rb = _row(data, batch, shape, a), _row(data, batch, shape, b)
+    return pair_rows(_row(data, batch, shape, a), _row(data, batch, shape, b), batch, shape)
+
+
+def pair_rows(ra: Optional[dict], rb: Optional[dict], batch: int, shape: str) -> Optional[dict]:
+    """The paired ratio of two rows of one cell (None if either is missing)."""
     if ra is None or rb is None:
         return None
+    a, b = ra["variant"], rb["variant"]
     ratios = bench.paired_ratios(ra["rounds_ms"], rb["rounds_ms"])
     sp = bench.spread(ratios)
     return {
@@ -435,6 +475,10 @@ def summarize(data: dict) -> None:
                     step["vs_reference"] = sum(ratios.get(sh, 1.0) * weight[sh] for sh in shapes) / sum(weight.values())
                 steps.append(step)
     data["paired"], data["drift"], data["per_step"], data["roofline"] = paired, drift, steps, floors
+    if hc := data.get("host_cost"):
+        by = {r["variant"]: r for r in hc["rows"]}
+        pairs = [(v, bench.REFERENCE) for v in by if v != bench.REFERENCE] + [("rust/loop", "cpp/loop")]
+        hc["paired"] = [p for a, b in pairs if (p := pair_rows(by.get(a), by.get(b), hc["batch"], hc["shape"]["label"]))]
     data["same_work"] = [same_work(data, batch) for batch in cfg["batches"]]
     data["targets"] = targets(data)
 
@@ -672,6 +716,32 @@ def render(data: dict) -> str:
             ],
         )
     )
+    if hc := data.get("host_cost"):
+        sh = hc["shape"]
+        md += [
+            "",
+            "## Host cost, where kernels cost almost nothing",
+            "",
+            f"At the quick shapes the kernels hide what a call costs the host. Here they cost almost nothing: batch {hc['batch']}, "
+            f"{sh['tokens']} tokens of width {sh['dim']} ({sh['heads']} heads of {sh['d_head']}), context "
+            f"{hc['context'][0]}x{hc['context'][1]}, {hc['threads']} intra-op thread. What is left is Python's dispatch (eager), "
+            "the binding and tch (Rust), or ATen alone (C++). Timed in interleaved rounds like the cells above.",
+            "",
+            f"Host cost: us per call, median (IQR) over {hc['cell']['rounds']} rounds; paired ratio to `{ref}`, median [Q1, Q3]:",
+            "",
+        ]
+        paired = {(p["variant"], p["vs"]): p for p in hc["paired"]}
+        md.append(
+            _table(
+                ["variant", "us per call", f"/ `{ref}` (paired)", "the time includes"],
+                [
+                    [f"`{r['variant']}`", f"{fmt(r['median_ms'] * 1e3)} ({fmt(r['iqr_ms'] * 1e3)})", ratio_cell(paired.get((r["variant"], ref))), r["note"]]
+                    for r in hc["rows"]
+                ],
+            )
+        )
+        if tch := paired.get(("rust/loop", "cpp/loop")):
+            md += ["", f"The tch layer here: `rust/loop` / `cpp/loop`, paired: {ratio_cell(tch)}."]
     if "unet_step" in data:
         md += ["", "## A whole UNet step", "", data["unet_step"].get("what", "")]
         u = data["unet_step"]
@@ -724,6 +794,23 @@ def compare(data: dict, batch: int, variant: str, vs: str) -> Optional[dict]:
         "within_noise": sum(p["within_noise"] for p in ps),
         "faster": sum(p["q3"] < 1 for p in ps),
         "slower": sum(p["q1"] > 1 for p in ps),
+    }
+
+
+def _one_cell(p: dict) -> dict:
+    """A paired ratio of a single cell as a ``compare`` result (with its quartiles)."""
+    return {
+        "variant": p["variant"],
+        "vs": p["vs"],
+        "batch": p["batch"],
+        "lo": p["median"],
+        "hi": p["median"],
+        "q1": p["q1"],
+        "q3": p["q3"],
+        "cells": 1,
+        "within_noise": int(p["within_noise"]),
+        "faster": int(p["q3"] < 1),
+        "slower": int(p["q1"] > 1),
     }
 
 
@@ -801,6 +888,20 @@ def verdict_items(data: dict) -> list[dict]:
         cps = [c for mode in ("default", "reduce-overhead") if (c := compare(data, batch, f"compile/{mode}", ref))]
         for cp in cps:
             item("Should a compiler do it?", batch, [cp], f"- Should a compiler do it (batch {batch})? `{cp['variant']}` / `{ref}`: {_across(cp)}.")
+    if hc := data.get("host_cost"):
+        cs = [_one_cell(p) for p in hc["paired"]]
+        us = {r["variant"]: r["median_ms"] * 1e3 for r in hc["rows"]}
+        item(
+            "Is Python the bottleneck where kernels cost almost nothing?",
+            hc["batch"],
+            cs,
+            f"- Is Python the bottleneck where kernels cost almost nothing (batch {hc['batch']}, {hc['shape']['label']}, "
+            f"{hc['threads']} thread)? "
+            + "; ".join(f"`{c['variant']}` / `{c['vs']}`: {fmt(c['lo'])} [{fmt(c['q1'])}, {fmt(c['q3'])}]" for c in cs)
+            + ".",
+            f"batch {hc['batch']}, {hc['shape']['label']}, {hc['threads']} thread, µs per call: "
+            + ", ".join(f"`{v}` {fmt(t)}" for v, t in us.items()),
+        )
     if cv := data.get("compiler_verdict"):
         in_place = ", ".join(f"`{v}`" for v in cv.get("in_place", [])) or "none"
         reuse = ", ".join(f"`{v}`" for v in cv.get("reuses_buffers", [])) or "none"

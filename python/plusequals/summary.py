@@ -50,6 +50,7 @@ def build(data: dict, outdir: Path) -> dict:
         "informational": not on_target,
         "elapsed_s": data.get("elapsed_s"),
         "reference": cfg["reference"],
+        "batches": cfg["batches"],
         "verdicts": report.verdict_items(data),
         "targets": [t | {"state": t["status"].split(" (")[0]} for t in data["targets"]],
     }
@@ -63,8 +64,14 @@ def _md(text: str) -> str:
 def _cell(c: dict) -> str:
     """One comparison at one batch: the range of paired medians over the shapes, then in how
     many cells the first is faster, slower, or the same within noise."""
-    rng = report.fmt(c["lo"]) if c["lo"] == c["hi"] else f"{report.fmt(c['lo'])}–{report.fmt(c['hi'])}"
+    if c["cells"] == 1:
+        rng = f"{report.fmt(c['lo'])} [{report.fmt(c['q1'])}, {report.fmt(c['q3'])}]"
+    else:
+        rng = f"{report.fmt(c['lo'])}–{report.fmt(c['hi'])}"
     n = c["cells"]
+    if n == 1:
+        word = "[green]faster[/]" if c["faster"] else ("[red]slower[/]" if c["slower"] else "≈ within noise")
+        return f"{rng}\n{word}"
     counts = [f"[green]faster {c['faster']}/{n}[/]" if c["faster"] else "", f"[red]slower {c['slower']}/{n}[/]" if c["slower"] else ""]
     counts.append(f"≈ {c['within_noise']}/{n}" if c["within_noise"] else "")
     return f"{rng}\n" + " ".join(x for x in counts if x)
@@ -81,7 +88,7 @@ def _label(c: dict, reference: str) -> str:
 def verdict_table(s: dict) -> tuple[Table, list[dict]]:
     """The verdicts asked at every batch: one row per comparison, a column per batch. The ones
     asked once (their answers are sentences) are returned to be printed on lines of their own."""
-    batches = sorted({v["batch"] for v in s["verdicts"]})
+    batches = s["batches"]
     asked: dict[str, list[dict]] = {}
     for v in s["verdicts"]:
         asked.setdefault(v["question"], []).append(v)
@@ -91,7 +98,7 @@ def verdict_table(s: dict) -> tuple[Table, list[dict]]:
         t.add_column(f"batch {b}")
     once = []
     for question, items in asked.items():
-        if len(items) == 1 and items[0]["answer_only"]:
+        if len(items) == 1 and (items[0]["answer_only"] or items[0]["batch"] not in batches):
             once += items
             continue
         t.add_row(f"[bold]{_md(question)}[/]", *[""] * len(batches))
@@ -129,6 +136,13 @@ def show(s: dict, console: Console) -> None:
     for v in once:
         console.print(f"[bold]{_md(v['question'])}[/]")
         console.print(Padding(_md(v["answer"]), (0, 0, 0, 2)))
+        if v["comparisons"]:  # one cell each: its median [Q1, Q3]
+            t = Table(box=None, show_header=False, padding=(0, 1), pad_edge=False)
+            for _ in range(3):
+                t.add_column(no_wrap=True)
+            for c in v["comparisons"]:
+                t.add_row(f"  {escape(_label(c, s['reference']))}", *_cell(c).split("\n"))
+            console.print(t)
     console.print()
     targets = [
         (f"[{STATUS_STYLE.get(g['state'], 'default')}]{g['state']}[/]", escape(g["target"]), _measured(g), report.fmt(g["limit"]))
