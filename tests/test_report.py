@@ -16,24 +16,7 @@ import torch
 
 from plusequals import bench
 from plusequals.report import NUMBER, fmt
-
-
-def _tokens_of_results(obj, out: set) -> set:
-    """Every number results.json can justify: each numeric leaf as REPORT.md formats it, and the
-    digits inside its strings (versions, shape labels, notes)."""
-    if isinstance(obj, dict):
-        for v in obj.values():
-            _tokens_of_results(v, out)
-    elif isinstance(obj, list):
-        for v in obj:
-            _tokens_of_results(v, out)
-    elif isinstance(obj, bool) or obj is None:
-        pass
-    elif isinstance(obj, (int, float)):
-        out.update(NUMBER.findall(fmt(obj)))
-    elif isinstance(obj, str):
-        out.update(NUMBER.findall(obj))
-    return out
+from report_tokens import tokens
 
 
 def test_writes_report_results_and_plots(quick_report):
@@ -282,7 +265,7 @@ def test_every_number_outside_the_tables_is_in_results_json(quick_report):
     """The prose (method, verdicts, notes) has no row and column: its numbers must at least be
     numbers results.json holds."""
     data = json.loads((quick_report / "results.json").read_text())
-    allowed = _tokens_of_results(data, set())
+    allowed = tokens(data, set())
     prose = "\n".join(line for line in (quick_report / "REPORT.md").read_text().splitlines() if not line.startswith("|"))
     stray = [n for n in NUMBER.findall(prose) if n not in allowed]
     assert not stray, f"numbers in REPORT.md not in results.json: {sorted(set(stray))[:20]}"
