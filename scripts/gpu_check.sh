@@ -40,7 +40,11 @@ run)
   python3 -m pytest -q -p no:cacheprovider -k cuda tests 2>&1 | tee "$OUT/pytest-cuda.log"
   # the Python bugs and the runtime mirrors (rustc is not there: compile-fail cases are skipped)
   python3 -m plusequals demo --skip-compile-fail > "$OUT/demo.log" 2>&1 || echo "demo failed" | tee -a "$OUT/demo.log"
-  python3 -m plusequals report --device cuda --out "$OUT/report-h200" 2>&1 | tail -5
+  # the report's terminal summary in report.log (its tail is the verdicts), and as JSON
+  COLUMNS=100 python3 -m plusequals report --device cuda --out "$OUT/report-h200" > "$OUT/report.log" 2>&1 \
+    || echo "report failed" | tee -a "$OUT/report.log"
+  tail -60 "$OUT/report.log"
+  python3 -m plusequals summary "$OUT/report-h200" --json > "$OUT/summary.json" || true
   ;;
 *)
   sed -n 2,16p "$0"

@@ -4,6 +4,7 @@ releases the GIL while libtorch computes."""
 from __future__ import annotations
 
 import collections
+import random
 import threading
 import time
 
@@ -171,9 +172,11 @@ def test_a_weight_written_during_a_forward_discards_the_result():
 
 
 def test_concurrent_in_place_writes_raise_or_give_exact_results(one_intra_op_thread):
-    """A writer thread keeps bumping a weight's version (adding 0.0, so the values never change)
-    while readers call forward: each call returns the exact serial bits or raises WeightsChanged,
-    never anything else, and the detection fires."""
+    """A writer thread bumps a weight's version (adding 0.0, so the values never change) in bursts
+    with pauses between them, of seeded random lengths, while the reader calls forward: each call
+    returns the exact serial bits or raises WeightsChanged, never anything else. The reader goes
+    on until it has seen both (a pause lets some calls through untouched; a burst overlaps
+    others), so the check is never vacuous, whatever the machine's scheduling."""
     block = small_block()
     rust = RustBlock.from_torch(block)
     x, c = small_inputs()
@@ -182,16 +185,21 @@ def test_concurrent_in_place_writes_raise_or_give_exact_results(one_intra_op_thr
     stop = threading.Event()
 
     def writer():
+        rng = random.Random(0)
         while not stop.is_set():
-            with torch.no_grad():
-                block.attn1.to_q.weight.add_(0.0)
+            burst_end = time.perf_counter() + rng.uniform(0, 2e-3)
+            while time.perf_counter() < burst_end:
+                with torch.no_grad():
+                    block.attn1.to_q.weight.add_(0.0)
+            time.sleep(rng.uniform(0, 2e-3))
 
     w = threading.Thread(target=writer)
     w.start()
     outcomes = collections.Counter()
+    deadline = time.monotonic() + 120
     try:
         with torch.no_grad():
-            for _ in range(2000):
+            while (sum(outcomes.values()) < 500 or min(outcomes["refused"], outcomes["exact"]) == 0) and time.monotonic() < deadline:
                 try:
                     y = rust(x, c)
                 except RuntimeError as e:
