@@ -62,19 +62,19 @@ def _md(text: str) -> str:
 
 
 def _cell(c: dict) -> str:
-    """One comparison at one batch: the range of paired medians over the shapes, then in how
-    many cells the first is faster, slower, or the same within noise."""
-    if c["cells"] == 1:
-        rng = f"{report.fmt(c['lo'])} [{report.fmt(c['q1'])}, {report.fmt(c['q3'])}]"
-    else:
-        rng = f"{report.fmt(c['lo'])}–{report.fmt(c['hi'])}"
-    n = c["cells"]
+    """One comparison at one batch, on two lines: the paired medians' range over the shapes (a
+    single cell: its median [Q1, Q3]), then in how many cells the first is faster, slower, or
+    the same within noise."""
+    n, fmt = c["cells"], report.fmt
     if n == 1:
         word = "[green]faster[/]" if c["faster"] else ("[red]slower[/]" if c["slower"] else "≈ within noise")
-        return f"{rng}\n{word}"
-    counts = [f"[green]faster {c['faster']}/{n}[/]" if c["faster"] else "", f"[red]slower {c['slower']}/{n}[/]" if c["slower"] else ""]
-    counts.append(f"≈ {c['within_noise']}/{n}" if c["within_noise"] else "")
-    return f"{rng}\n" + " ".join(x for x in counts if x)
+        return f"{fmt(c['lo'])} [{fmt(c['q1'])}, {fmt(c['q3'])}]\n{word}"
+    counts = [
+        f"[green]faster {c['faster']}/{n}[/]" if c["faster"] else "",
+        f"[red]slower {c['slower']}/{n}[/]" if c["slower"] else "",
+        f"≈ {c['within_noise']}/{n}" if c["within_noise"] else "",
+    ]
+    return f"{fmt(c['lo'])}–{fmt(c['hi'])}\n" + " ".join(x for x in counts if x)
 
 
 def _measured(g: dict) -> str:
