@@ -127,12 +127,24 @@ class Recorder:
 
 
 def variant_row(v: bench.Variant, rounds: bench.Rounds, device: str) -> dict:
-    """One variant of one cell: its per-round times (reset subtracted in each round), their
-    median and IQR, what the time includes, and (CUDA) peak memory and host time per call."""
+    """One variant of one cell: its times (``timing_row``), and (CUDA) peak memory and host time
+    per call."""
+    row = timing_row(v, rounds)
+    if v.per_call == 1:
+        row["peak_mb"] = bench.peak_memory_mb(v.fn, device, v.prepare)
+        # Host minus host: the reset's own unsynchronised host time, never a synchronised median.
+        host = bench.host_ms_per_call(v.fn, device)
+        row["host_ms"] = None if host is None else host - (bench.host_ms_per_call(v.reset, device) if v.reset else 0.0)
+    return row
+
+
+def timing_row(v: bench.Variant, rounds: bench.Rounds) -> dict:
+    """A variant's per-round times in one cell (reset subtracted in each round), their median and
+    IQR, and what the time includes."""
     ms = bench.variant_ms(rounds.raw_ms, v)
     sp = bench.spread(ms)
     reset = bench.reset_probe(v.name) if v.reset else None
-    row = {
+    return {
         "variant": v.name,
         "family": v.family,
         "median_ms": sp.median,
@@ -147,12 +159,6 @@ def variant_row(v: bench.Variant, rounds: bench.Rounds, device: str) -> dict:
         "reset_ms": bench.spread(rounds.raw_ms[reset]).median if reset else 0.0,
         "note": v.note,
     }
-    if v.per_call == 1:
-        row["peak_mb"] = bench.peak_memory_mb(v.fn, device, v.prepare)
-        # Host minus host: the reset's own unsynchronised host time, never a synchronised median.
-        host = bench.host_ms_per_call(v.fn, device)
-        row["host_ms"] = None if host is None else host - (bench.host_ms_per_call(v.reset, device) if v.reset else 0.0)
-    return row
 
 
 def _jsonable(obj: Any) -> Any:
@@ -199,11 +205,7 @@ def host_cost(device: str, dtype: torch.dtype, rounds: int, max_rounds: int, ext
             timed = bench.interleaved_rounds(bench.variant_probes(variants), rounds, seed, sample_s, settled=settled, max_rounds=max_rounds, extra_s=extra_s)
     finally:
         torch.set_num_threads(threads)
-    rows = []
-    for v in variants:
-        ms = bench.variant_ms(timed.raw_ms, v)
-        sp = bench.spread(ms)
-        rows.append({"variant": v.name, "median_ms": sp.median, "iqr_ms": sp.iqr, "rounds": sp.n, "rounds_ms": ms, "note": v.note})
+    rows = [timing_row(v, timed) for v in variants]
     return {
         "batch": batch,
         "shape": shape.__dict__ | {"label": shape.label},
