@@ -56,11 +56,11 @@ report: build-dev
 demo: build-dev
 	$(PY) -m plusequals demo
 
-# clippy.toml forbids tch's write-through-& methods in this crate (scripts/gen_clippy_toml.py)
+# clippy.toml forbids tch's write-through-& and panicking calls in this crate (scripts/gen_clippy_toml.py)
 lint: venv
 	cargo fmt --check
-	@scripts/step.sh "lint: cargo clippy --all-targets -D warnings (clippy.toml)" $(LOG) \
-		cargo clippy --all-targets -- -D warnings
+	@scripts/step.sh "lint: cargo clippy --all-targets --features python -D warnings (clippy.toml)" $(LOG) \
+		cargo clippy --all-targets --features python -- -D warnings
 
 clean:
 	rm -rf target $(VENV)

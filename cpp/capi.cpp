@@ -59,11 +59,12 @@ at::Tensor* pe_cpp_forward(const BasicTransformerBlock* block, const at::Tensor*
   return guarded(err, len, [&] { return new at::Tensor(block->forward(*x, optional(context))); });
 }
 
-// Takes `x`'s handle over: `*x` is moved into the block (the caller's pointer is left holding an
-// undefined tensor, and still owns that heap object).
-at::Tensor* pe_cpp_forward_owned(const BasicTransformerBlock* block, at::Tensor* x, const at::Tensor* context,
+// `x` by value: the block gets a second handle on `*x`'s tensor, so the caller (rust/cpp.rs, which
+// checked that it owns `x` alone) still holds the buffer if the block throws, and can tell from
+// its version counter whether anything was written.
+at::Tensor* pe_cpp_forward_owned(const BasicTransformerBlock* block, const at::Tensor* x, const at::Tensor* context,
                                  char* err, size_t len) {
-  return guarded(err, len, [&] { return new at::Tensor(block->forward_owned(std::move(*x), optional(context))); });
+  return guarded(err, len, [&] { return new at::Tensor(block->forward_owned(*x, optional(context))); });
 }
 
 // `n` forwards without leaving C++: `forward` on `x`, or `forward_owned` on a buffer refilled

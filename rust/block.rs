@@ -8,8 +8,10 @@ use std::collections::HashMap;
 
 use tch::{Kind, Tensor};
 
-use crate::error::{Error, Result};
-use crate::ownership::{autocast_produces, check_exclusive, check_owned, dense_size, version, NoGrad};
+use crate::error::{Error, Failure, Result};
+use crate::facts::{autocast_produces, dense_size, device, device_name, versions};
+use crate::failpoint::{self, Step};
+use crate::ownership::{check_exclusive, check_owned_by, Caller, NoGrad};
 
 /// Which attention kernel `CrossAttention` uses (`attention=` in the PyTorch block).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,13 +58,14 @@ impl BlockConfig {
 /// Every take checks the shape; [`Weights::finish`] rejects keys nobody took.
 pub struct Weights {
     map: HashMap<String, Tensor>,
-    kind: Option<Kind>,
-    device: Option<tch::Device>,
+    /// The dtype and device of the first weight taken (its device as `facts::device` codes it,
+    /// and as torch names it), which every other weight must share.
+    first: Option<(Kind, i64, String)>,
 }
 
 impl Weights {
     pub fn new(map: HashMap<String, Tensor>) -> Self {
-        Weights { map, kind: None, device: None }
+        Weights { map, first: None }
     }
 
     /// Takes `prefix.name`, checking its shape and that all weights share one dtype and device.
@@ -77,32 +80,31 @@ impl Weights {
         if got != shape {
             return Err(Error::WeightShape { key, expected: shape.to_vec(), got });
         }
-        let (kind, device) = (t.f_kind()?, t.device());
-        if *self.kind.get_or_insert(kind) != kind || *self.device.get_or_insert(device) != device {
+        let (kind, device) = (t.f_kind()?, device(&t).ok_or_else(|| Error::MissingWeight(key.clone()))?);
+        let (first_kind, first_device, first_name) = self.first.get_or_insert_with(|| (kind, device, device_name(&t)));
+        if (*first_kind, *first_device) != (kind, device) {
             return Err(Error::WeightType {
                 key,
-                got: format!("{kind:?} on {device:?}"),
-                expected: format!("{:?} on {:?}", self.kind.unwrap(), self.device.unwrap()),
+                got: format!("{kind:?} on {}", device_name(&t)),
+                expected: format!("{first_kind:?} on {first_name}"),
             });
         }
         Ok(t)
     }
 
     /// Errors on the first key (in sorted order) that no module took.
-    pub fn finish(self) -> Result<(Kind, tch::Device)> {
+    pub fn finish(self) -> Result<(Kind, i64, String)> {
         let mut extra: Vec<_> = self.map.into_keys().collect();
         extra.sort();
         if let Some(key) = extra.into_iter().next() {
             return Err(Error::UnexpectedWeight(key));
         }
-        match (self.kind, self.device) {
-            (Some(kind), Some(device)) if matches!(kind, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double) => {
-                Ok((kind, device))
+        match self.first {
+            Some((kind, device, name)) if matches!(kind, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double) => {
+                Ok((kind, device, name))
             }
-            (Some(kind), Some(_)) => {
-                Err(Error::config(format!("the weights are {kind:?}, not a floating-point dtype")))
-            }
-            _ => Err(Error::config("the block has no weights".to_string())),
+            Some((kind, ..)) => Err(Error::config(format!("the weights are {kind:?}, not a floating-point dtype"))),
+            None => Err(Error::config("the block has no weights".to_string())),
         }
     }
 }
@@ -228,6 +230,14 @@ pub struct FeedForward {
 }
 
 impl FeedForward {
+    /// The projection in (GEGLU's `proj`, or the plain linear layer) and `net.2`.
+    fn linears(&self) -> (&Linear, &Linear) {
+        match &self.net_0 {
+            ProjectIn::GeGlu(g) => (&g.proj, &self.net_2),
+            ProjectIn::Gelu(l) => (l, &self.net_2),
+        }
+    }
+
     fn load(w: &mut Weights, prefix: &str, dim: i64, glu: bool) -> Result<Self> {
         let inner_dim =
             dim.checked_mul(8).map(|_| 4 * dim).ok_or_else(|| Error::config(format!("dim {dim} overflows")))?;
@@ -262,7 +272,12 @@ pub struct BasicTransformerBlock {
     pub dim: i64,
     pub context_dim: i64,
     kind: Kind,
-    device: tch::Device,
+    /// The weights' device (`facts::device`'s code, and torch's name for it).
+    device: (i64, String),
+    /// Each weight's shape at the build, in [`BasicTransformerBlock::weights`] order: the
+    /// weights are shared handles, and an in-place metadata change (`w.t_()`, `w.resize_()`,
+    /// `p.data = ..`) reaches this block too.
+    shapes: Vec<Vec<i64>>,
 }
 
 impl BasicTransformerBlock {
@@ -281,8 +296,22 @@ impl BasicTransformerBlock {
         let norm2 = LayerNorm::load(w, "norm2", dim)?;
         let norm3 = LayerNorm::load(w, "norm3", dim)?;
         let w = std::mem::replace(w, Weights::new(HashMap::new()));
-        let (kind, device) = w.finish()?;
-        Ok(BasicTransformerBlock { attn1, ff, attn2, norm1, norm2, norm3, dim, context_dim, kind, device })
+        let (kind, device, name) = w.finish()?;
+        let mut block = BasicTransformerBlock {
+            attn1,
+            ff,
+            attn2,
+            norm1,
+            norm2,
+            norm3,
+            dim,
+            context_dim,
+            kind,
+            device: (device, name),
+            shapes: Vec::new(),
+        };
+        block.shapes = block.weights().into_iter().map(|t| dense_size(t).unwrap_or_default()).collect();
+        Ok(block)
     }
 
     /// `op_plus_x`, out of place: `x` is only borrowed, so it cannot be mutated.
@@ -298,26 +327,56 @@ impl BasicTransformerBlock {
     /// says a no-grad guard is alive. Before the first write, `check_owned` asks libtorch what
     /// rustc cannot see: that no other handle, view or owner can read `x`'s memory, that grad
     /// mode really is off, and that `context` does not overlap `x`. Otherwise `Err`, `x` untouched.
-    pub fn forward_owned(&self, mut x: Tensor, context: Option<&Tensor>, _grad_off: &NoGrad) -> Result<Tensor> {
-        self.check_inputs(&x, context)?;
-        check_owned(&x, context)?;
-        x.add_in_place(&self.attn1.forward(&self.norm1.forward(&x)?, None)?)?;
-        x.add_in_place(&self.attn2.forward(&self.norm2.forward(&x)?, context)?)?;
-        x.add_in_place(&self.ff.forward(&self.norm3.forward(&x)?)?)?;
+    pub fn forward_owned(&self, x: Tensor, context: Option<&Tensor>, no_grad: &NoGrad) -> Result<Tensor> {
+        self.try_forward_owned(x, context, no_grad).map_err(Error::from)
+    }
+
+    /// [`forward_owned`](Self::forward_owned) that hands `x` back, untouched, when it fails
+    /// before the first write (a refusal, a bad input, an error computing the first residual):
+    /// [`Failure::Unwritten`]. After the first write, `x`'s buffer is consumed:
+    /// [`Failure::Consumed`].
+    pub fn try_forward_owned(&self, x: Tensor, context: Option<&Tensor>, no_grad: &NoGrad) -> Result<Tensor, Failure> {
+        self.forward_owned_by(x, context, no_grad, &Caller::RUST)
+    }
+
+    /// [`try_forward_owned`](Self::try_forward_owned) for a given [`Caller`] (the Python glue).
+    pub(crate) fn forward_owned_by(
+        &self,
+        mut x: Tensor,
+        context: Option<&Tensor>,
+        _grad_off: &NoGrad,
+        caller: &Caller,
+    ) -> Result<Tensor, Failure> {
+        let first = self.check_inputs(&x, context).and_then(|()| check_owned_by(&x, context, caller));
+        // Up to and including the first `add_`, nothing is written: libtorch's add_ checks its
+        // arguments (shapes, dtypes, inference tensors) before its kernel runs.
+        let first = first
+            .and_then(|()| failpoint::check(Step::BeforeFirstWrite))
+            .and_then(|()| self.attn1.forward(&self.norm1.forward(&x)?, None))
+            .and_then(|h| add_into(&mut x, &h, caller));
+        if let Err(e) = first {
+            return Err(Failure::Unwritten(e, x));
+        }
+        let mut rest = || -> Result<()> {
+            failpoint::check(Step::AfterFirstWrite)?;
+            let h = self.attn2.forward(&self.norm2.forward(&x)?, context)?;
+            add_into(&mut x, &h, caller)?;
+            let h = self.ff.forward(&self.norm3.forward(&x)?)?;
+            add_into(&mut x, &h, caller)?;
+            Ok(())
+        };
+        rest().map_err(Failure::Consumed)?;
         Ok(x)
     }
 
-    /// Every weight, in state_dict order.
+    /// Every weight, in state_dict order ([`weight_keys`](Self::weight_keys)).
     pub fn weights(&self) -> Vec<&Tensor> {
         let mut w = Vec::with_capacity(16);
         for attn in [&self.attn1, &self.attn2] {
             w.extend([&attn.to_q.weight, &attn.to_k.weight, &attn.to_v.weight, &attn.to_out.weight]);
             w.extend(attn.to_out.bias.as_ref());
         }
-        let (project_in, net_2) = match &self.ff.net_0 {
-            ProjectIn::GeGlu(g) => (&g.proj, &self.ff.net_2),
-            ProjectIn::Gelu(l) => (l, &self.ff.net_2),
-        };
+        let (project_in, net_2) = self.ff.linears();
         for lin in [project_in, net_2] {
             w.push(&lin.weight);
             w.extend(lin.bias.as_ref());
@@ -328,18 +387,64 @@ impl BasicTransformerBlock {
         w
     }
 
+    /// The CompVis key of each of [`weights`](Self::weights), in the same order.
+    pub fn weight_keys(&self) -> Vec<String> {
+        let mut keys = Vec::with_capacity(16);
+        for attn in ["attn1", "attn2"] {
+            keys.extend(
+                ["to_q.weight", "to_k.weight", "to_v.weight", "to_out.0.weight", "to_out.0.bias"]
+                    .map(|k| format!("{attn}.{k}")),
+            );
+        }
+        let project_in = match self.ff.net_0 {
+            ProjectIn::GeGlu(_) => "ff.net.0.proj",
+            ProjectIn::Gelu(_) => "ff.net.0.0",
+        };
+        keys.extend([format!("{project_in}.weight"), format!("{project_in}.bias")]);
+        keys.extend(["ff.net.2.weight".to_string(), "ff.net.2.bias".to_string()]);
+        for norm in ["norm1", "norm2", "norm3"] {
+            keys.extend([format!("{norm}.weight"), format!("{norm}.bias")]);
+        }
+        keys
+    }
+
     /// The sum of the weights' version counters: it changes with every in-place write to a
     /// weight (an optimizer step, `p.add_(..)`), never otherwise.
     pub fn weights_version(&self) -> i64 {
-        self.weights().into_iter().map(version).sum()
+        versions(&self.weights())
     }
 
-    /// Checks what libtorch would otherwise reject with a less helpful message.
+    /// The weights are still what the block was built on: each one's shape, and all of them
+    /// one dtype on one device. They are shared handles, so an in-place change of a weight's
+    /// metadata (`w.t_()`, `w.resize_()`, `p.data = other`) reaches the block; a change of values
+    /// is what sharing is for (an optimizer step).
+    pub fn check_weights(&self) -> Result<()> {
+        for (i, (w, shape)) in self.weights().into_iter().zip(&self.shapes).enumerate() {
+            let size = dense_size(w);
+            let same =
+                size.as_ref() == Some(shape) && w.f_kind().ok() == Some(self.kind) && device(w) == Some(self.device.0);
+            if !same {
+                let key = self.weight_keys().swap_remove(i);
+                let now = match w.f_kind() {
+                    Ok(kind) => format!("{kind:?} of shape {:?} on {}", size.unwrap_or_default(), device_name(w)),
+                    Err(_) => "not a dense tensor".to_string(),
+                };
+                return Err(Error::WeightChanged {
+                    key,
+                    was: format!("{:?} of shape {shape:?} on {}", self.kind, self.device.1),
+                    now,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks what libtorch would otherwise reject with a less helpful message, and that the
+    /// weights are still the ones the block was built on ([`check_weights`](Self::check_weights)).
     pub fn check_inputs(&self, x: &Tensor, context: Option<&Tensor>) -> Result<()> {
-        self.check_input("x", x, self.dim)?;
+        let xb = self.check_input("x", x, self.dim)?;
         if let Some(context) = context {
-            self.check_input("context", context, self.context_dim)?;
-            let (cb, xb) = (context.size()[0], x.size()[0]); // both dense: checked above
+            let cb = self.check_input("context", context, self.context_dim)?;
             if cb != xb {
                 return Err(Error::input("context", format!("batch {cb} does not match x's batch {xb}")));
             }
@@ -349,10 +454,11 @@ impl BasicTransformerBlock {
                 format!("is required: the block's cross-attention expects width {}", self.context_dim),
             ));
         }
-        Ok(())
+        self.check_weights()
     }
 
-    fn check_input(&self, arg: &'static str, t: &Tensor, width: i64) -> Result<()> {
+    /// Checks one input; returns its batch size.
+    fn check_input(&self, arg: &'static str, t: &Tensor, width: i64) -> Result<i64> {
         let size = dense_size(t).ok_or_else(|| Error::input(arg, "has no dense shape (nested, sparse, ...)".into()))?;
         if size.len() != 3 || size[2] != width {
             return Err(Error::input(arg, format!("expected shape (batch, tokens, {width}), got {size:?}")));
@@ -367,29 +473,42 @@ impl BasicTransformerBlock {
                 format!("dtype {kind:?} does not match the block's weights ({:?}), and autocast is off", self.kind),
             ));
         }
-        if t.device() != self.device {
+        if device(t) != Some(self.device.0) {
             return Err(Error::input(
                 arg,
-                format!("is on {:?} but the block's weights are on {:?}", t.device(), self.device),
+                format!("is on {} but the block's weights are on {}", device_name(t), self.device.1),
             ));
         }
-        Ok(())
+        Ok(size[0])
     }
+}
+
+/// A copy of `t` on storage of its own (tch's `copy()` panics on a libtorch error).
+pub fn deep_copy(t: &Tensor) -> Result<Tensor> {
+    let mut c = t.f_empty_like()?;
+    c.f_copy_(t)?;
+    Ok(c)
 }
 
 /// `x += y` without tch's panicking `AddAssign`: libtorch's `add_`, its error returned.
 ///
 /// `&mut self` is what rustc checks; before the write, libtorch is asked what it cannot see
 /// (`ownership::check_exclusive`): another handle on `self` (a tensor autograd saved for
-/// backward, a `shallow_clone`), a view, foreign memory. Then `Err`, and nothing is written.
+/// backward, a `shallow_clone`), a weak reference, a view, foreign memory. Then `Err`, and
+/// nothing is written.
 pub trait AddInPlace {
     fn add_in_place(&mut self, y: &Tensor) -> Result<()>;
 }
 
 impl AddInPlace for Tensor {
     fn add_in_place(&mut self, y: &Tensor) -> Result<()> {
-        check_exclusive(self, 1).map_err(|why| Error::NotOwned { arg: "x", why })?;
-        let _same_tensor_as_self = self.f_add_(y)?; // tch's second handle, dropped at once
-        Ok(())
+        add_into(self, y, &Caller::RUST)
     }
+}
+
+/// `x += y` after `check_exclusive` for `caller`.
+fn add_into(x: &mut Tensor, y: &Tensor, caller: &Caller) -> Result<()> {
+    check_exclusive(x, caller).map_err(|why| Error::NotOwned { arg: "x", why })?;
+    let _same_tensor_as_x = x.f_add_(y)?; // tch's second handle, dropped at once
+    Ok(())
 }

@@ -10,7 +10,8 @@
 //! It also compiles `cpp/` (the `cc` crate) against the pip torch's own headers, the ones
 //! torch-sys compiles against: `tensor_facts.cpp`, the libtorch bookkeeping that
 //! `rust/ownership.rs` reads; `block.cpp`, the C++ twin, and its C ABI `capi.cpp`
-//! (`rust/cpp.rs`); `gallery.cpp`, the seed's bugs written in C++, all of which compile.
+//! (`rust/cpp.rs`); `gallery.cpp`, the seed's bugs written in C++, all of which compile; and
+//! `weak_ref.cpp`, a storage weak reference for the alias routes (`rust/aliases.rs`).
 use std::path::Path;
 
 fn main() {
@@ -28,6 +29,7 @@ fn main() {
         .file("cpp/block.cpp")
         .file("cpp/capi.cpp")
         .file("cpp/gallery.cpp")
+        .file("cpp/weak_ref.cpp")
         .opt_level(2) // the twin is timed; the C++ of a debug build is optimised too
         .include(&include)
         .flag("-std=c++17")

@@ -12,7 +12,10 @@ use tch::Tensor;
 use torch_sys::C_tensor;
 
 use crate::block::{Attention, BlockConfig};
-use crate::error::{Error, Result};
+use crate::error::{Error, Failure, Result};
+use crate::facts::version;
+use crate::failpoint::{self, Step};
+use crate::ownership::{check_owned_by, Caller, NoGrad};
 
 #[repr(C)]
 struct RawBlock {
@@ -44,7 +47,7 @@ extern "C" {
     ) -> *mut C_tensor;
     fn pe_cpp_forward_owned(
         block: *const RawBlock,
-        x: *mut C_tensor,
+        x: *const C_tensor,
         context: *const C_tensor,
         err: *mut c_char,
         len: usize,
@@ -140,13 +143,44 @@ impl CppBlock {
         call(|err, len| unsafe { pe_cpp_forward(self.raw.as_ptr(), x.as_ptr(), opt(context), err, len) }).map(tensor)
     }
 
-    /// `forward_owned(at::Tensor x, ...)`: `x` moved in, residuals added into it. The caller
-    /// runs `ownership::check_owned` first: C++ checks nothing of the kind.
-    pub fn forward_owned(&self, mut x: Tensor, context: Option<&Tensor>) -> Result<Tensor> {
-        // SAFETY: as above; the C++ side moves out of `*x`, leaving an undefined tensor that
-        // `x`'s drop frees.
-        call(|err, len| unsafe { pe_cpp_forward_owned(self.raw.as_ptr(), x.as_mut_ptr(), opt(context), err, len) })
-            .map(tensor)
+    /// `forward_owned(at::Tensor x, ...)`: `x` given up, residuals added into it, with the same
+    /// contract as `BasicTransformerBlock::forward_owned`: the `&NoGrad` proof, and libtorch's
+    /// counts asked first (`ownership::check_owned`), because C++ itself checks nothing of the kind.
+    pub fn forward_owned(&self, x: Tensor, context: Option<&Tensor>, no_grad: &NoGrad) -> Result<Tensor> {
+        self.try_forward_owned(x, context, no_grad).map_err(Error::from)
+    }
+
+    /// [`forward_owned`](Self::forward_owned) that hands `x` back, untouched, when it fails
+    /// before the first write ([`Failure::Unwritten`]). C++ does not say where it failed, so the
+    /// first write is read from `x`'s version counter, which every in-place write bumps; an
+    /// inference tensor has none, and its failure is [`Failure::Consumed`], to be safe.
+    pub fn try_forward_owned(&self, x: Tensor, context: Option<&Tensor>, no_grad: &NoGrad) -> Result<Tensor, Failure> {
+        self.forward_owned_by(x, context, no_grad, &Caller::RUST)
+    }
+
+    /// [`try_forward_owned`](Self::try_forward_owned) for a given [`Caller`] (the Python glue).
+    pub(crate) fn forward_owned_by(
+        &self,
+        x: Tensor,
+        context: Option<&Tensor>,
+        _grad_off: &NoGrad,
+        caller: &Caller,
+    ) -> Result<Tensor, Failure> {
+        if let Err(e) = check_owned_by(&x, context, caller).and_then(|()| failpoint::check(Step::BeforeFirstWrite)) {
+            return Err(Failure::Unwritten(e, x));
+        }
+        let before = version(&x);
+        // SAFETY: as above; the C++ side takes a second handle on `*x` for the call, so `x` still
+        // holds the buffer if it throws.
+        let result =
+            call(|err, len| unsafe { pe_cpp_forward_owned(self.raw.as_ptr(), x.as_ptr(), opt(context), err, len) })
+                .map(tensor)
+                .and_then(|y| failpoint::check(Step::AfterFirstWrite).map(|()| y)); // C++ has written by now
+        match result {
+            Ok(y) => Ok(y),
+            Err(e) if before >= 0 && version(&x) == before => Err(Failure::Unwritten(e, x)),
+            Err(e) => Err(Failure::Consumed(e)),
+        }
     }
 
     /// `n` forwards without leaving C++ (grad off).

@@ -1,6 +1,8 @@
-//! One error type for the block; `lib.rs` maps each variant to a Python exception.
+//! One error type for the block; `python.rs` maps each variant to a Python exception.
 
-use tch::TchError;
+use std::fmt;
+
+use tch::{TchError, Tensor};
 
 use crate::ownership::Alias;
 
@@ -35,6 +37,19 @@ pub enum Error {
          p.add_() in another thread?): the result is discarded; do not write the weights during a forward"
     )]
     WeightsChanged,
+    /// A weight's shape, dtype or device is no longer what the block was built on (an in-place
+    /// metadata change on a shared weight: `w.t_()`, `w.resize_()`, `p.data = other`).
+    #[error(
+        "weight {key:?} changed since the block was built: it was {was}, it is {now}; build the block again \
+         (RustBlock, following its module, does so itself)"
+    )]
+    WeightChanged { key: String, was: String, now: String },
+    /// A refused donation: nothing moved, and `x` is as it was.
+    #[error("{0}; nothing was donated: x is unchanged and usable (donate=False works on a copy)")]
+    Donation(Box<Error>),
+    /// A failure injected by a test (`failpoint`), at the step it names.
+    #[error("a failure injected at {0:?} (plusequals failpoint, for the tests)")]
+    Injected(crate::failpoint::Step),
     /// An exception the C++ twin caught (`cpp/capi.cpp`), with its message.
     #[error("{0}")]
     Cpp(String),
@@ -44,11 +59,52 @@ pub enum Error {
 }
 
 impl Error {
+    /// The error itself, under the context a refused donation adds.
+    pub fn root(&self) -> &Error {
+        match self {
+            Error::Donation(inner) => inner.root(),
+            other => other,
+        }
+    }
+
     pub fn input(arg: &'static str, msg: String) -> Self {
         Error::Input { arg, msg }
     }
 
     pub fn config(msg: String) -> Self {
         Error::Config(msg)
+    }
+}
+
+/// How an in-place call that took `x` by value failed, and what became of `x`.
+pub enum Failure {
+    /// Refused, or failed before the first write: `x` comes back, untouched, with the error.
+    Unwritten(Error, Tensor),
+    /// Failed after the first write: `x`'s buffer was partly overwritten, and is dropped.
+    Consumed(Error),
+}
+
+impl Failure {
+    pub fn error(&self) -> &Error {
+        match self {
+            Failure::Unwritten(e, _) | Failure::Consumed(e) => e,
+        }
+    }
+}
+
+impl From<Failure> for Error {
+    fn from(f: Failure) -> Self {
+        match f {
+            Failure::Unwritten(e, _) | Failure::Consumed(e) => e,
+        }
+    }
+}
+
+impl fmt::Debug for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Unwritten(e, _) => write!(f, "Unwritten({e:?}, x)"),
+            Failure::Consumed(e) => write!(f, "Consumed({e:?})"),
+        }
     }
 }

@@ -1,11 +1,18 @@
 //! plusequals: the Stable Diffusion v1 residual block in Rust (tch-rs), and the ownership
 //! types that keep `+=` safe. With the `python` feature this crate is also the extension
 //! module `plusequals._rust` (`python.rs`).
+//!
+//! No panic may cross into Python: outside tests, the crate denies `unwrap`, `expect` and
+//! `panic!`, and clippy.toml forbids every tch call that panics on a libtorch error (the crate
+//! uses the `f_` forms and `facts.rs` instead).
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod aliases;
 pub mod block;
 pub mod cpp;
 pub mod error;
+pub mod facts;
+pub mod failpoint;
 pub mod ownership;
 pub mod testing;
 
@@ -14,5 +21,5 @@ pub mod testing;
 mod python;
 
 pub use block::{AddInPlace, Attention, BasicTransformerBlock, BlockConfig};
-pub use error::{Error, Result};
+pub use error::{Error, Failure, Result};
 pub use ownership::NoGrad;

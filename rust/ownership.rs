@@ -16,6 +16,11 @@
 //!
 //! * no other handle on `x`'s `TensorImpl` (`shallow_clone`, a tensor autograd saved for
 //!   backward, the handle returned by tch's in-place ops, a Python reference);
+//! * no weak reference on it, its storage or its storage's Python object (`StorageWeakRef`,
+//!   `weakref.ref(x.untyped_storage())`): no use count shows one, and any can be upgraded to a
+//!   strong name at any moment, from any thread;
+//! * no `__torch_dispatch__` subclass or functorch wrapper as `x` or `context`, and no
+//!   TorchDispatchMode active: each would see `x` inside the in-place ops, and could keep it;
 //! * not a view, and no other tensor on its storage (views, `detach`, slices, a Python
 //!   `UntypedStorage`);
 //! * the memory is libtorch's: allocated by a libtorch allocator, not wrapped around a
@@ -24,7 +29,8 @@
 //! * `x` covers its storage exactly, from offset 0, with no element sharing bytes;
 //! * grad mode is off on this thread at the moment of the call (the `&NoGrad` proves that a
 //!   guard exists, not that nobody turned grad mode back on with `tch::with_grad`);
-//! * `context` does not overlap `x`.
+//! * `context` does not overlap `x`;
+//! * an inference tensor is written only in inference mode (libtorch refuses it otherwise).
 //!
 //! What neither half covers: tch's own API in user code. Its in-place ops return a second
 //! handle (`let h = x.f_add_(&y)?`), and its `f_*_out(&self, out: &Tensor, ..)` functions and
@@ -41,6 +47,7 @@ use std::marker::PhantomData;
 use tch::Tensor;
 
 use crate::error::{Error, Result};
+use crate::facts::{dispatch_modes, grad_mode_enabled, memory_span, set_grad_mode, tensor_facts, Memory, PyObjectPtr};
 
 /// Grad mode is off while a `NoGrad` lives; `&NoGrad` is the proof the in-place forward needs.
 ///
@@ -49,7 +56,8 @@ use crate::error::{Error, Result};
 /// proof is checked again at run time ([`Alias::GradMode`]): code inside the guard's scope can
 /// still turn grad mode on (`tch::with_grad`).
 pub struct NoGrad {
-    _guard: tch::NoGradGuard,
+    /// The thread's grad mode before, restored on drop.
+    was_enabled: bool,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -57,7 +65,13 @@ impl NoGrad {
     /// Turns grad mode off for this thread until the value is dropped (then restores it).
     #[allow(clippy::new_without_default)]
     pub fn new() -> Self {
-        NoGrad { _guard: tch::no_grad_guard(), _not_send: PhantomData }
+        NoGrad { was_enabled: set_grad_mode(false), _not_send: PhantomData }
+    }
+}
+
+impl Drop for NoGrad {
+    fn drop(&mut self) {
+        set_grad_mode(self.was_enabled);
     }
 }
 
@@ -69,6 +83,10 @@ pub enum Alias {
     /// `shallow_clone`, a copy autograd saved for backward, tch's in-place return value, a
     /// Python reference.
     OtherHandles(i64),
+    /// `n` weak references to the tensor, its storage, or its storage's Python object
+    /// (torch.multiprocessing's `StorageWeakRef`, `weakref.ref(x.untyped_storage())`). No use
+    /// count shows them, and each can be upgraded to a second name at any moment, from any thread.
+    WeakRefs(i64),
     /// A view of another tensor, which it keeps alive (Python can reach it as `x._base`).
     View,
     /// `n` other tensors (or Python storages) on the same memory: views, `detach`, slices.
@@ -86,6 +104,14 @@ pub enum Alias {
     PartOfStorage { offset: i64, nbytes: i64, storage_nbytes: i64 },
     /// A nested, sparse or other tensor without one dense storage of its own.
     NoStorage,
+    /// A functorch wrapper (inside `torch.func.vmap`, `grad` or `jvp`): no storage of its own.
+    Functorch,
+    /// A tensor subclass with `__torch_dispatch__`: its data and every op on it belong to its
+    /// Python code, which could keep `x` when an in-place op passes it there.
+    PythonSubclass,
+    /// TorchDispatchModes are active on this thread (named when the caller knows them): a mode
+    /// sees every op's tensors, `x` included, and may keep them.
+    DispatchModes(Vec<String>),
     /// Grad mode is on: autograd may record the in-place writes, or have saved what they
     /// overwrite.
     GradMode,
@@ -98,6 +124,7 @@ impl Alias {
     pub fn label(&self) -> String {
         match self {
             Alias::OtherHandles(n) => format!("{n} other handle(s)"),
+            Alias::WeakRefs(n) => format!("{n} weak reference(s)"),
             Alias::View => "a view".into(),
             Alias::SharedStorage(n) => format!("storage shared with {n}"),
             Alias::ForeignMemory => "foreign memory".into(),
@@ -105,6 +132,9 @@ impl Alias {
             Alias::NotDense => "not dense".into(),
             Alias::PartOfStorage { .. } => "part of a storage".into(),
             Alias::NoStorage => "no storage".into(),
+            Alias::Functorch => "functorch wrapper".into(),
+            Alias::PythonSubclass => "__torch_dispatch__ subclass".into(),
+            Alias::DispatchModes(_) => "dispatch mode active".into(),
             Alias::GradMode => "grad mode on".into(),
             Alias::OverlapsX => "overlaps x".into(),
         }
@@ -119,6 +149,12 @@ impl fmt::Display for Alias {
                 "has {n} other handle(s) on it (a view of it, which keeps it alive; shallow_clone; a tensor \
                  autograd saved for backward; the handle an in-place op returned; a Python reference), which \
                  would read the in-place writes"
+            ),
+            Alias::WeakRefs(n) => write!(
+                f,
+                "has {n} weak reference(s) on it or its storage (torch.multiprocessing's StorageWeakRef, a Python \
+                 weakref to its storage object): no use count shows them, and any of them can become a second \
+                 name at any moment, from any thread"
             ),
             Alias::View => write!(
                 f,
@@ -144,6 +180,27 @@ impl fmt::Display for Alias {
                  the rest of the storage may be another tensor's"
             ),
             Alias::NoStorage => write!(f, "has no dense storage of its own (nested, sparse, ...)"),
+            Alias::Functorch => write!(
+                f,
+                "is a functorch-wrapped tensor (inside torch.func.vmap, grad or jvp), which has no storage of its \
+                 own to write into: call forward() inside the transform, or forward_owned outside it"
+            ),
+            Alias::PythonSubclass => write!(
+                f,
+                "is a tensor subclass with __torch_dispatch__: its data and every op on it belong to its Python \
+                 code, which an in-place op would hand x to, and which may keep it"
+            ),
+            Alias::DispatchModes(names) if names.is_empty() => write!(
+                f,
+                "is written while a TorchDispatchMode is active: the mode sees every op's tensors, x included, \
+                 and may keep them"
+            ),
+            Alias::DispatchModes(names) => write!(
+                f,
+                "is written while a TorchDispatchMode is active ({}): the mode sees every op's tensors, x \
+                 included, and may keep them",
+                names.join(", ")
+            ),
             Alias::GradMode => write!(
                 f,
                 "is written in place while grad mode is on (tch::with_grad inside the no-grad scope?): autograd \
@@ -154,126 +211,78 @@ impl fmt::Display for Alias {
     }
 }
 
-mod ffi {
-    use torch_sys::C_tensor;
-
-    /// `pe_tensor_facts` in `cpp/tensor_facts.cpp`; the field comments there say what each reads.
-    #[repr(C)]
-    #[derive(Default)]
-    pub struct TensorFacts {
-        pub tensor_uses: i64,
-        pub storage_uses: i64,
-        pub storage_pyobject_unreachable: i32,
-        pub storage_resizable: i32,
-        pub storage_has_allocator: i32,
-        pub deleter_is_allocators: i32,
-        pub is_view: i32,
-        pub storage_offset_bytes: i64,
-        pub storage_nbytes: i64,
-        pub nbytes: i64,
-        pub non_overlapping_and_dense: i32,
-    }
-
-    extern "C" {
-        pub fn pe_tensor_facts(t: *const C_tensor, out: *mut TensorFacts) -> i32;
-        pub fn pe_grad_mode_enabled() -> i32;
-        pub fn pe_dense_sizes(t: *const C_tensor, sizes: *mut i64, cap: i64) -> i64;
-        pub fn pe_autocast_produces(t: *const C_tensor, weight: *const C_tensor) -> i32;
-        pub fn pe_version(t: *const C_tensor) -> i64;
-    }
+/// Who calls an in-place entry point, as far as the ownership check is concerned.
+pub struct Caller<'a> {
+    /// The handles on `x`'s `TensorImpl` the caller holds and gives up: 1 for a moved `Tensor`;
+    /// 2 for the extension's donation (its own handle, and the Python object's, which it empties).
+    pub handles: i64,
+    /// Counts the Python weak references to a Python object (the extension asks Python). `None`
+    /// outside Python: an existing storage object is then counted as reachable.
+    pub python_weakrefs: Option<&'a dyn Fn(PyObjectPtr) -> i64>,
 }
 
-pub use ffi::TensorFacts;
-
-/// What libtorch says about a tensor's memory.
-pub enum Memory {
-    /// A dense tensor on its own storage, with its bookkeeping.
-    Dense(TensorFacts),
-    /// A meta tensor: shapes only, no bytes anyone could read.
-    None,
-    /// Nested, sparse, undefined, ...: no dense storage of its own.
-    NotDense,
-}
-
-/// libtorch's bookkeeping for `t`.
-pub fn tensor_facts(t: &Tensor) -> Memory {
-    let mut facts = TensorFacts::default();
-    // SAFETY: `as_ptr` is tch's live `at::Tensor*` for `t`, which the borrow keeps alive; the
-    // C++ side only reads it and writes `facts`.
-    match unsafe { ffi::pe_tensor_facts(t.as_ptr(), &mut facts) } {
-        0 => Memory::Dense(facts),
-        3 => Memory::None,
-        _ => Memory::NotDense,
-    }
-}
-
-/// This thread's grad mode, as libtorch sees it now.
-pub fn grad_mode_enabled() -> bool {
-    // SAFETY: reads a thread-local flag.
-    unsafe { ffi::pe_grad_mode_enabled() != 0 }
-}
-
-/// Whether autocast is on for `weight`'s device type on this thread and casts to `t`'s dtype:
-/// then `t` is what autocast produces (a bf16 activation beside fp32 weights), not a mismatch.
-pub fn autocast_produces(t: &Tensor, weight: &Tensor) -> bool {
-    // SAFETY: as in `tensor_facts`; reads thread-local autocast state.
-    unsafe { ffi::pe_autocast_produces(t.as_ptr(), weight.as_ptr()) != 0 }
-}
-
-/// `t`'s version counter, which every in-place write bumps (-1 for a tensor without one).
-pub fn version(t: &Tensor) -> i64 {
-    // SAFETY: as in `tensor_facts`.
-    unsafe { ffi::pe_version(t.as_ptr()) }
-}
-
-/// The sizes of a dense tensor, or `None` for one that has none (nested and other layouts,
-/// where tch's `size()` panics). Reads the sizes directly: no libtorch op, no allocation
-/// beyond the returned vector.
-pub fn dense_size(t: &Tensor) -> Option<Vec<i64>> {
-    let mut sizes = [0i64; 8];
-    // SAFETY: as in `tensor_facts`; the C++ side writes at most `sizes.len()` values.
-    let dim = unsafe { ffi::pe_dense_sizes(t.as_ptr(), sizes.as_mut_ptr(), sizes.len() as i64) };
-    match usize::try_from(dim) {
-        Ok(d) if d <= sizes.len() => Some(sizes[..d].to_vec()),
-        Ok(_) => {
-            let mut sizes = vec![0i64; dim as usize];
-            // SAFETY: as above, with a buffer of `dim` values.
-            let again = unsafe { ffi::pe_dense_sizes(t.as_ptr(), sizes.as_mut_ptr(), dim) };
-            (again == dim).then_some(sizes)
-        }
-        Err(_) => None,
-    }
+impl Caller<'static> {
+    /// Rust code that moved its own `Tensor` in.
+    pub const RUST: Caller<'static> = Caller { handles: 1, python_weakrefs: None };
 }
 
 /// The run-time half of a move: proves from libtorch's bookkeeping that nobody but the caller
 /// can read `x`'s memory, that grad mode is off, and that `context` does not overlap `x`.
 /// `Err(Error::NotOwned { .. })` names the argument and the [`Alias`]; nothing is written.
 pub fn check_owned(x: &Tensor, context: Option<&Tensor>) -> Result<()> {
-    check_owned_with_handles(x, context, 1)
+    check_owned_by(x, context, &Caller::RUST)
 }
 
-/// [`check_owned`] for a caller that holds `handles` handles on `x`'s `TensorImpl` and gives
-/// them all up (the Python glue: its own handle and the Python object's, which it empties).
-pub fn check_owned_with_handles(x: &Tensor, context: Option<&Tensor>, handles: i64) -> Result<()> {
+/// [`check_owned`] for a given [`Caller`] (the Python glue: two handles, and Python's weakrefs).
+pub fn check_owned_by(x: &Tensor, context: Option<&Tensor>, caller: &Caller) -> Result<()> {
+    let refuse = |arg, why| Err(Error::NotOwned { arg, why });
     if grad_mode_enabled() {
-        return Err(Error::NotOwned { arg: "x", why: Alias::GradMode });
+        return refuse("x", Alias::GradMode);
+    }
+    if dispatch_modes() != 0 {
+        return refuse("x", Alias::DispatchModes(Vec::new()));
     }
     if let Some(c) = context {
-        if overlaps(x, c)? {
-            return Err(Error::NotOwned { arg: "context", why: Alias::OverlapsX });
+        check_readable(c).or_else(|why| refuse("context", why))?;
+        if overlaps(x, c) {
+            return refuse("context", Alias::OverlapsX);
         }
     }
-    check_exclusive(x, handles).map_err(|why| Error::NotOwned { arg: "x", why })
+    check_exclusive(x, caller).or_else(|why| refuse("x", why))?;
+    if let Memory::Dense(f) = tensor_facts(x) {
+        if f.is_inference != 0 && f.inference_mode == 0 {
+            return Err(Error::input(
+                "x",
+                "is an inference tensor (made under torch.inference_mode()), which libtorch refuses to write in \
+                 place outside inference mode: call under torch.inference_mode(), or pass x.clone()"
+                    .into(),
+            ));
+        }
+    }
+    Ok(())
 }
 
-/// Nobody but the holder of `handles` handles can read `t`'s memory: no other handle on its
-/// `TensorImpl`, no other tensor on its storage, memory libtorch allocated, covered exactly.
-/// The ownership half of [`check_owned`], without the grad-mode rule; `AddInPlace` uses it.
-pub fn check_exclusive(t: &Tensor, handles: i64) -> std::result::Result<(), Alias> {
+/// A tensor the in-place forward reads while it writes `x` (the context): one whose ops stay in
+/// libtorch. A `__torch_dispatch__` subclass would receive `x` itself in the in-place adds.
+fn check_readable(t: &Tensor) -> std::result::Result<(), Alias> {
+    match tensor_facts(t) {
+        Memory::Functorch => Err(Alias::Functorch),
+        Memory::PythonSubclass => Err(Alias::PythonSubclass),
+        _ => Ok(()),
+    }
+}
+
+/// Nobody but the caller can read `t`'s memory: no other handle on its `TensorImpl`, no weak
+/// reference that could become one, no other tensor on its storage, memory libtorch
+/// allocated, covered exactly. The ownership half of [`check_owned`], without the grad-mode
+/// rule; `AddInPlace` uses it.
+pub fn check_exclusive(t: &Tensor, caller: &Caller) -> std::result::Result<(), Alias> {
     let f = match tensor_facts(t) {
         Memory::Dense(f) => f,
         Memory::None => return Ok(()), // nothing to read, nothing written
         Memory::NotDense => return Err(Alias::NoStorage),
+        Memory::Functorch => return Err(Alias::Functorch),
+        Memory::PythonSubclass => return Err(Alias::PythonSubclass),
     };
     if f.storage_has_allocator == 0 || f.deleter_is_allocators == 0 {
         return Err(Alias::ForeignMemory);
@@ -281,13 +290,26 @@ pub fn check_exclusive(t: &Tensor, handles: i64) -> std::result::Result<(), Alia
     if f.storage_resizable == 0 {
         return Err(Alias::NotResizable);
     }
-    if f.tensor_uses > handles {
-        return Err(Alias::OtherHandles(f.tensor_uses - handles));
+    if f.tensor_uses > caller.handles {
+        return Err(Alias::OtherHandles(f.tensor_uses - caller.handles));
+    }
+    // The storage's Python object, if one exists: weakly referenced, or reachable at all?
+    let (object_weakrefs, object_unreachable) = match (f.storage_pyobject.is_null(), caller.python_weakrefs) {
+        (true, _) => (0, false),
+        (false, Some(count)) => {
+            let n = count(f.storage_pyobject);
+            (n, n == 0 && f.storage_pyobject_unreachable != 0)
+        }
+        (false, None) => (0, false), // no Python to ask: counted as reachable below
+    };
+    let weak = f.tensor_weak_refs + f.storage_weak_refs + object_weakrefs;
+    if weak > 0 {
+        return Err(Alias::WeakRefs(weak));
     }
     if f.is_view != 0 {
         return Err(Alias::View);
     }
-    let storage_uses = f.storage_uses - i64::from(f.storage_pyobject_unreachable != 0);
+    let storage_uses = f.storage_uses - i64::from(object_unreachable);
     if storage_uses > 1 {
         return Err(Alias::SharedStorage(storage_uses - 1));
     }
@@ -301,19 +323,11 @@ pub fn check_exclusive(t: &Tensor, handles: i64) -> std::result::Result<(), Alia
     Ok(())
 }
 
-/// Whether the memory spans of two tensors intersect (by address range).
-fn overlaps(a: &Tensor, b: &Tensor) -> Result<bool> {
-    let span = |arg: &'static str, t: &Tensor| -> Result<(usize, usize)> {
-        let size = dense_size(t).ok_or(Error::NotOwned { arg, why: Alias::NoStorage })?;
-        let start = t.data_ptr() as usize;
-        if size.contains(&0) || start == 0 {
-            // no bytes (an empty tensor, or the meta device, which only infers shapes)
-            return Ok((start, start));
-        }
-        let stride = t.stride(); // dense: safe
-        let last: i64 = size.iter().zip(&stride).map(|(&n, &s)| (n - 1) * s).sum();
-        Ok((start, start + (last as usize + 1) * t.f_kind()?.elt_size_in_bytes()))
-    };
-    let ((a0, a1), (b0, b1)) = (span("x", a)?, span("context", b)?);
-    Ok(a0 < b1 && b0 < a1)
+/// Whether the memory spans of two tensors intersect. A tensor without dense memory overlaps
+/// nothing here (the exclusivity check refuses it on its own terms).
+fn overlaps(a: &Tensor, b: &Tensor) -> bool {
+    match (memory_span(a), memory_span(b)) {
+        (Some((a0, a1)), Some((b0, b1))) => a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1,
+        _ => false,
+    }
 }

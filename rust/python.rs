@@ -3,22 +3,29 @@
 
 use std::collections::HashMap;
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
 use pyo3_tch::PyTensor;
 use tch::Tensor;
 
 use crate::aliases::Outcome;
+use crate::block::deep_copy;
 use crate::cpp::CppBlock;
-use crate::ownership::{check_owned, check_owned_with_handles};
+use crate::error::Failure;
+use crate::facts::{dispatch_modes, PyObjectPtr};
+use crate::ownership::{check_owned_by, Alias, Caller};
 use crate::{BasicTransformerBlock, BlockConfig, Error, NoGrad, Result};
 
+/// `RuntimeError` for what went wrong while computing (libtorch, C++, a racing writer);
+/// `ValueError` for what was refused.
 fn to_py(err: Error) -> PyErr {
-    match err {
-        Error::Torch(e) => PyRuntimeError::new_err(e.to_string()),
-        Error::Cpp(msg) => PyRuntimeError::new_err(msg),
-        Error::WeightsChanged => PyRuntimeError::new_err(Error::WeightsChanged.to_string()),
-        other => PyValueError::new_err(other.to_string()),
+    let message = err.to_string();
+    match err.root() {
+        Error::Torch(_) | Error::Cpp(_) | Error::WeightsChanged | Error::Injected(_) => {
+            PyRuntimeError::new_err(message)
+        }
+        _ => PyValueError::new_err(message),
     }
 }
 
@@ -56,19 +63,28 @@ impl Twins {
         }
     }
 
-    fn forward_owned(&self, x: Tensor, context: Option<&Tensor>, no_grad: &NoGrad) -> Result<Tensor> {
-        self.guarded(|| self.forward_owned_unguarded(x, context, no_grad))
-    }
-
-    fn forward_owned_unguarded(&self, x: Tensor, context: Option<&Tensor>, no_grad: &NoGrad) -> Result<Tensor> {
-        match &self.cpp {
-            None => self.rust.forward_owned(x, context, no_grad),
-            Some(cpp) => {
-                self.rust.check_inputs(&x, context)?;
-                check_owned(&x, context)?; // what C++ does not check: rust/ownership.rs
-                cpp.forward_owned(x, context)
-            }
+    /// The in-place forward, as a transaction: `Failure::Unwritten` hands `x` back untouched;
+    /// a result computed while a weight was written in place (the weights' versions moved since
+    /// `versions`, read before `x` was taken) is discarded as `Failure::Consumed`.
+    fn forward_owned(
+        &self,
+        x: Tensor,
+        context: Option<&Tensor>,
+        no_grad: &NoGrad,
+        caller: &Caller,
+        versions: i64,
+    ) -> Result<Tensor, Failure> {
+        let y = match &self.cpp {
+            None => self.rust.forward_owned_by(x, context, no_grad, caller)?,
+            Some(cpp) => match self.rust.check_inputs(&x, context) {
+                Err(e) => return Err(Failure::Unwritten(e, x)),
+                Ok(()) => cpp.forward_owned_by(x, context, no_grad, caller)?, // C++ checks no alias: cpp.rs does
+            },
+        };
+        if self.rust.weights_version() != versions {
+            return Err(Failure::Consumed(Error::WeightsChanged));
         }
+        Ok(y)
     }
 
     /// `n` forwards without returning to Python (grad off); `owned` reuses the last output's
@@ -83,7 +99,7 @@ impl Twins {
             return cpp.forward_loop(x, context, n as i64, owned);
         }
         let no_grad = NoGrad::new();
-        let mut y = copy(x)?;
+        let mut y = deep_copy(x)?;
         for _ in 0..n {
             y = if owned {
                 let mut fresh = y;
@@ -173,23 +189,27 @@ impl PyBlock {
     }
 
     /// In-place residuals with grad off. `donate=false` works on a copy of `x`;
-    /// `donate=true` moves `x`'s buffer into the call: see [`take_donated`].
+    /// `donate=true` moves `x`'s buffer into the call, as a transaction: see [`donate`].
     #[pyo3(signature = (x, context=None, donate=false))]
     fn forward_owned(
         &self,
         py: Python<'_>,
-        x: PyTensor,
+        x: &Bound<'_, PyAny>,
         context: Option<PyTensor>,
         donate: bool,
     ) -> PyResult<PyTensor> {
-        let (x, context) = (x.0, context.map(|c| c.0));
+        let tensor = x.extract::<PyTensor>().map_err(|e| PyTypeError::new_err(format!("argument 'x': {e}")))?.0;
+        let context = context.map(|c| c.0);
+        check_dispatch_modes(py).map_err(to_py)?;
         let block = &self.block;
-        let x = if donate { take_donated(&block.get().rust, x, context.as_ref()).map_err(to_py)? } else { x };
+        if donate {
+            return donate_into(py, block, x, tensor, context).map(PyTensor);
+        }
         py.allow_threads(move || -> Result<Tensor> {
+            let twins = block.get();
             let no_grad = NoGrad::new();
-            let x = if donate { x } else { copy(&x)? };
-            let y = block.get().forward_owned(x, context.as_ref(), &no_grad)?;
-            Ok(y)
+            let versions = twins.rust.weights_version();
+            Ok(twins.forward_owned(deep_copy(&tensor)?, context.as_ref(), &no_grad, &Caller::RUST, versions)?)
         })
         .map(PyTensor)
         .map_err(to_py)
@@ -207,14 +227,14 @@ impl PyBlock {
         }))
     }
 
-    /// The checks a donation runs before it moves `x` (shapes, dtype, device, and libtorch's
-    /// ownership counts: `take_donated` without the move), raising what it would raise. For the
-    /// report: their cost per call is this minus `echo`.
+    /// The checks a donation runs before it moves `x` (dispatch modes, shapes, dtype, device,
+    /// the weights, and libtorch's ownership counts with Python's weakrefs: [`donate`] without
+    /// the move), raising what it would raise. For the report: their cost per call is this minus
+    /// `echo`.
     #[pyo3(signature = (x, context=None))]
-    fn donation_check(&self, x: PyTensor, context: Option<PyTensor>) -> PyResult<()> {
-        let _no_grad = NoGrad::new();
-        self.block.get().rust.check_inputs(&x, context.as_deref()).map_err(to_py)?;
-        check_owned_with_handles(&x, context.as_deref(), 2).map_err(to_py)
+    fn donation_check(&self, py: Python<'_>, x: PyTensor, context: Option<PyTensor>) -> PyResult<()> {
+        check_dispatch_modes(py).map_err(to_py)?;
+        check_donation(py, &self.block.get().rust, &x, context.as_deref()).map_err(to_py)
     }
 
     /// `n` calls of `forward` (or of `forward_owned` on a copy made once) without
@@ -234,29 +254,109 @@ impl PyBlock {
     }
 }
 
-/// The Python half of a move, done while the GIL is held so that no Python thread can make a
-/// new alias between the check and the write.
+/// A donation, as a transaction, in four steps; the first two hold the GIL, so no Python
+/// thread can make an alias between the check and the move.
 ///
-/// `x` arrives with two handles on its `TensorImpl`: the Python object's and this call's. If
-/// libtorch's bookkeeping shows nothing else (`check_owned_with_handles(.., 2)`), the buffer
-/// moves to a fresh handle and the Python object lets go of it (`set_()`: it becomes an empty
-/// tensor), so the returned tensor is the only one that can read the memory the block writes.
-/// Everything `forward_owned` checks is checked first, so a refused donation leaves `x` as it
-/// was. (An error inside libtorch after the first write, such as running out of memory, leaves
-/// `x` consumed, as any donation does.)
-fn take_donated(block: &BasicTransformerBlock, mut x: Tensor, context: Option<&Tensor>) -> Result<Tensor> {
-    let _no_grad = NoGrad::new(); // the caller's grad mode is not the forward's: see forward_owned
-    block.check_inputs(&x, context)?;
-    check_owned_with_handles(&x, context, 2)?;
-    let owned = x.f_detach()?; // a second TensorImpl on the storage
-    let _python_object = x.f_set_()?; // the Python object's TensorImpl drops the storage
-    Ok(owned)
+/// 1. Every check that can refuse ([`check_donation`]): the block's checks of `x`, `context`
+///    and the weights, libtorch's ownership counts (two handles are the caller's: the Python
+///    object's and this call's), weak references (libtorch's, and Python's weakrefs to the
+///    storage object), and whether `x`'s class can become a donated one
+///    (`plusequals.donated.donated_class`).
+/// 2. Mark and move: `x.__class__` becomes the donated class (any later use raises), the buffer
+///    moves to a fresh handle, and the Python object lets go of it (`set_()`).
+/// 3. The in-place forward on the moved buffer, the GIL released.
+/// 4. A failure before the first write puts the buffer back into `x` (same storage, shape,
+///    strides, dtype and bytes) and its class back, then raises. A failure after it leaves `x`
+///    marked donated and says that its buffer was consumed. Never an unmarked empty tensor.
+fn donate_into(
+    py: Python<'_>,
+    block: &SharedBlock,
+    x: &Bound<'_, PyAny>,
+    mut tensor: Tensor,
+    context: Option<Tensor>,
+) -> PyResult<Tensor> {
+    let twins = block.get();
+    check_donation(py, &twins.rust, &tensor, context.as_ref()).map_err(|e| to_py(Error::Donation(Box::new(e))))?;
+    let donated = donated_class(py, x)?;
+    let original = x.get_type();
+    let versions = twins.rust.weights_version();
+    x.setattr("__class__", &donated)?;
+    let moved = tensor.f_detach().and_then(|owned| tensor.f_set_().map(|_python_object| owned));
+    let owned = match moved {
+        Ok(owned) => owned,
+        Err(e) => {
+            x.setattr("__class__", &original)?;
+            return Err(to_py(Error::Donation(Box::new(e.into()))));
+        }
+    };
+    let result = py.allow_threads(move || {
+        let no_grad = NoGrad::new();
+        // Python's weakrefs to the storage object were counted in step 1, and no Python name
+        // reaches the buffer since the move, so none can have been made.
+        let none = |_: PyObjectPtr| 0;
+        let caller = Caller { handles: 1, python_weakrefs: Some(&none) };
+        block.get().forward_owned(owned, context.as_ref(), &no_grad, &caller, versions)
+    });
+    match result {
+        Ok(y) => Ok(y),
+        Err(Failure::Unwritten(e, buffer)) => {
+            let _same_as_x = tensor.f_set_source_tensor_(&buffer).map_err(|restore| {
+                PyRuntimeError::new_err(format!("{e}; and putting x's buffer back failed: {restore}"))
+            })?;
+            drop(buffer);
+            x.setattr("__class__", &original)?;
+            Err(to_py(Error::Donation(Box::new(e))))
+        }
+        Err(Failure::Consumed(e)) => Err(PyRuntimeError::new_err(format!(
+            "x was donated and its buffer consumed: the in-place forward had already written into it when this \
+             happened: {e}. The result was discarded, and x is marked donated (its old values are partly overwritten)"
+        ))),
+    }
 }
 
-fn copy(x: &Tensor) -> Result<Tensor> {
-    let mut c = x.f_empty_like()?;
-    c.f_copy_(x)?;
-    Ok(c)
+/// Everything a donation checks before it moves `x` (step 1 of [`donate_into`]).
+fn check_donation(py: Python<'_>, block: &BasicTransformerBlock, x: &Tensor, context: Option<&Tensor>) -> Result<()> {
+    let _no_grad = NoGrad::new(); // the caller's grad mode is not the forward's: see forward_owned
+    block.check_inputs(x, context)?;
+    let weakrefs = |obj: PyObjectPtr| python_weakrefs(py, obj);
+    check_owned_by(x, context, &Caller { handles: 2, python_weakrefs: Some(&weakrefs) })
+}
+
+/// Refuses, naming the modes, while a TorchDispatchMode is active: the mode would see the
+/// in-place ops' tensors, `x` among them, and could keep them (`RustBlock` routes such calls
+/// through its custom op instead, which the mode sees as one op).
+fn check_dispatch_modes(py: Python<'_>) -> Result<()> {
+    if dispatch_modes() == 0 {
+        return Ok(());
+    }
+    let names = mode_names(py).unwrap_or_default();
+    Err(Error::NotOwned { arg: "x", why: Alias::DispatchModes(names) })
+}
+
+fn mode_names(py: Python<'_>) -> PyResult<Vec<String>> {
+    let stack = py.import("torch.utils._python_dispatch")?.call_method0("_get_current_dispatch_mode_stack")?;
+    stack.try_iter()?.map(|mode| Ok(mode?.get_type().qualname()?.to_string())).collect()
+}
+
+/// The number of Python weakrefs to the object at `obj` (1 if Python cannot say: counted).
+fn python_weakrefs(py: Python<'_>, obj: PyObjectPtr) -> i64 {
+    static COUNT: GILOnceCell<PyObject> = GILOnceCell::new();
+    let count = || -> PyResult<i64> {
+        let f = COUNT.get_or_try_init(py, || py.import("weakref")?.getattr("getweakrefcount").map(Bound::unbind))?;
+        // SAFETY: `obj` is the live Python object of a storage that `x` keeps alive; the GIL is held.
+        let obj = unsafe { Bound::from_borrowed_ptr(py, obj.cast()) };
+        f.bind(py).call1((obj,))?.extract()
+    };
+    count().unwrap_or(1)
+}
+
+/// The class `x` becomes when donated (`plusequals.donated.donated_class(type(x))`), or the
+/// `TypeError` that says why its class cannot become one, before anything moves.
+fn donated_class<'py>(py: Python<'py>, x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    static DONATED_CLASS: GILOnceCell<PyObject> = GILOnceCell::new();
+    let f = DONATED_CLASS
+        .get_or_try_init(py, || py.import("plusequals.donated")?.getattr("donated_class").map(Bound::unbind))?;
+    f.bind(py).call1((x.get_type(),))
 }
 
 /// Runs every Rust alias route (`rust/aliases.rs`) now: `(name, what happened)` pairs.
@@ -282,16 +382,65 @@ fn alias_routes(py: Python<'_>) -> Vec<(String, String)> {
     })
 }
 
+/// What libtorch's bookkeeping says of `t` (rust/facts.rs): the counts the ownership check
+/// reads, by name (`None` for a tensor without dense memory: `kind` says which). For the tests
+/// that find libtorch's baselines, and for anyone asking why a donation was refused.
+#[pyfunction]
+fn tensor_facts(py: Python<'_>, t: PyTensor) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    use crate::facts::Memory;
+    let d = pyo3::types::PyDict::new(py);
+    let f = match crate::facts::tensor_facts(&t) {
+        Memory::Dense(f) => f,
+        other => {
+            let kind = match other {
+                Memory::None => "meta",
+                Memory::Functorch => "functorch",
+                Memory::PythonSubclass => "python_subclass",
+                _ => "no_storage",
+            };
+            d.set_item("kind", kind)?;
+            return Ok(d);
+        }
+    };
+    d.set_item("kind", "dense")?;
+    d.set_item("tensor_uses", f.tensor_uses)?;
+    d.set_item("tensor_weak_refs", f.tensor_weak_refs)?;
+    d.set_item("storage_uses", f.storage_uses)?;
+    d.set_item("storage_weak_refs", f.storage_weak_refs)?;
+    let object_weakrefs = (!f.storage_pyobject.is_null()).then(|| python_weakrefs(py, f.storage_pyobject));
+    d.set_item("storage_object_weakrefs", object_weakrefs)?;
+    d.set_item("storage_object_unreachable", f.storage_pyobject_unreachable != 0)?;
+    d.set_item("is_view", f.is_view != 0)?;
+    d.set_item("is_inference", f.is_inference != 0)?;
+    Ok(d)
+}
+
+/// Makes the next in-place forward on this thread fail at `step` ("before_first_write",
+/// "after_first_write"; `None` disarms): the transaction tests' fault injection (failpoint.rs).
+#[pyfunction]
+#[pyo3(signature = (step))]
+fn _fail_next_forward_owned_at(step: Option<&str>) -> PyResult<()> {
+    use crate::failpoint::{fail_next_at, Step};
+    let step = match step {
+        None => None,
+        Some("before_first_write") => Some(Step::BeforeFirstWrite),
+        Some("after_first_write") => Some(Step::AfterFirstWrite),
+        Some(other) => return Err(PyValueError::new_err(format!("no failpoint {other:?}"))),
+    };
+    fail_next_at(step);
+    Ok(())
+}
+
 /// Runs the C++ bug gallery (`cpp/gallery.cpp`) on the small test block: `(case, whether its bug
 /// happened, what it saw)`.
 #[pyfunction]
 fn cpp_gallery(py: Python<'_>) -> PyResult<Vec<(String, bool, String)>> {
     py.allow_threads(|| -> Result<_> {
         let cfg = crate::testing::small_config(crate::Attention::Sdpa);
-        let mut weights: Vec<_> = crate::testing::small_weights(0).into_iter().collect();
+        let mut weights: Vec<_> = crate::testing::small_weights(0)?.into_iter().collect();
         weights.sort_by(|a, b| a.0.cmp(&b.0));
         let cpp = CppBlock::from_weights(&weights, &cfg)?;
-        let (x, c) = crate::testing::small_inputs();
+        let (x, c) = crate::testing::small_inputs()?;
         cpp.gallery(&x, &c).into_iter().map(|(name, happened, what)| Ok((name, happened?, what))).collect()
     })
     .map_err(to_py)
@@ -304,6 +453,8 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBlock>()?;
     m.add_function(wrap_pyfunction!(alias_routes, m)?)?;
     m.add_function(wrap_pyfunction!(cpp_gallery, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_facts, m)?)?;
+    m.add_function(wrap_pyfunction!(_fail_next_forward_owned_at, m)?)?;
     m.add("TCH_VERSION", "0.24.0")?;
     m.add("RUSTC_VERSION", env!("PLUSEQUALS_RUSTC_VERSION"))?;
     Ok(())

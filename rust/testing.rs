@@ -57,15 +57,15 @@ impl Normal {
 
     /// A float32 CPU tensor of `shape` filled with `scale` times the next samples. It owns its
     /// storage alone (not a view of a flat tensor), so it can be given to `forward_owned`.
-    pub fn tensor(&mut self, shape: &[i64], scale: f64) -> Tensor {
+    pub fn tensor(&mut self, shape: &[i64], scale: f64) -> Result<Tensor> {
         let n: i64 = shape.iter().product();
         let bytes: Vec<u8> = (0..n).flat_map(|_| ((scale * self.sample()) as f32).to_ne_bytes()).collect();
-        Tensor::from_data_size(&bytes, shape, tch::Kind::Float)
+        Ok(Tensor::f_from_data_size(&bytes, shape, tch::Kind::Float)?)
     }
 }
 
 /// Random weights (std 0.2) under every CompVis key of a [`small_config`] block.
-pub fn small_weights(seed: u64) -> HashMap<String, Tensor> {
+pub fn small_weights(seed: u64) -> Result<HashMap<String, Tensor>> {
     let mut rng = Normal::new(seed);
     let (dim, inner, ctx) = (32, 32, 24);
     // Sorted key order, so each key's values depend only on the seed.
@@ -86,16 +86,16 @@ pub fn small_weights(seed: u64) -> HashMap<String, Tensor> {
         shapes.push((format!("{n}.bias"), vec![dim]));
     }
     shapes.sort();
-    shapes.into_iter().map(|(k, shape)| (k, rng.tensor(&shape, 0.2))).collect()
+    shapes.into_iter().map(|(k, shape)| Ok((k, rng.tensor(&shape, 0.2)?))).collect()
 }
 
 /// A random [`small_config`] block.
 pub fn small_block() -> Result<BasicTransformerBlock> {
-    BasicTransformerBlock::from_weights(small_weights(0), &small_config(Attention::Sdpa))
+    BasicTransformerBlock::from_weights(small_weights(0)?, &small_config(Attention::Sdpa))
 }
 
 /// `(x, context)` for a [`small_block`]: batch 2, 16 tokens, 7 context tokens, std 1.
-pub fn small_inputs() -> (Tensor, Tensor) {
+pub fn small_inputs() -> Result<(Tensor, Tensor)> {
     let mut rng = Normal::new(1);
-    (rng.tensor(&[2, 16, 32], 1.0), rng.tensor(&[2, 7, 24], 1.0))
+    Ok((rng.tensor(&[2, 16, 32], 1.0)?, rng.tensor(&[2, 7, 24], 1.0)?))
 }

@@ -1,4 +1,5 @@
 //! The Rust block on its own: the two entry points agree, bad weights and inputs are `Err`s.
+#![allow(clippy::disallowed_methods)] // tests use tch as its users do: a panic fails the test
 
 use std::collections::HashMap;
 
@@ -11,11 +12,11 @@ fn config(attention: Attention) -> BlockConfig {
 }
 
 fn weights(seed: u64) -> HashMap<String, Tensor> {
-    small_weights(seed)
+    small_weights(seed).expect("test weights")
 }
 
 fn inputs() -> (Tensor, Tensor) {
-    small_inputs()
+    small_inputs().expect("test inputs")
 }
 
 #[test]

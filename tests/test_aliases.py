@@ -18,7 +18,6 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 from boundary_helpers import _raw_block, assert_matches, same_bits, small_block, small_inputs
@@ -32,10 +31,10 @@ def test_pytorch_iadd_writes_through_the_second_name(route):
     block = small_block()
     x, c = small_inputs()
     x, others, c = route.make(x, c)
-    before = [o.clone() if isinstance(o, torch.Tensor) else o.copy() for o in others]
+    before = [aliases.read(o) for o in others]
     with torch.no_grad():
         block(x, c, residual="iadd")
-    changed = [not _same(o, b) for o, b in zip(others, before)]
+    changed = [not aliases.same(aliases.read(o), b) for o, b in zip(others, before)]
     assert any(changed), f"{route.name}: the seed's += did not reach the other name"
     assert route.pytorch.startswith("silent"), route.pytorch
 
@@ -49,7 +48,7 @@ def test_donation_through_a_second_name_is_refused_and_nothing_is_written(route,
     x, c = small_inputs()
     x, others, c = route.make(x, c)
     before_x, before_c = x.clone(), None if c is None else c.clone()
-    before = [o.clone() if isinstance(o, torch.Tensor) else o.copy() for o in others]
+    before = [aliases.read(o) for o in others]
     call = rust.forward_owned if entry == "RustBlock" else raw.forward_owned
     with torch.no_grad(), pytest.raises(ValueError) as info:
         call(x, c, donate=True)
@@ -58,7 +57,7 @@ def test_donation_through_a_second_name_is_refused_and_nothing_is_written(route,
     assert route.why in message, f"{route.name}: {message!r} does not say {route.why!r}"
     assert not isinstance(x, DonatedTensor)
     assert same_bits(x, before_x) and (c is None or same_bits(c, before_c))
-    assert all(_same(o, b) for o, b in zip(others, before)), f"{route.name}: the other name changed"
+    assert all(aliases.same(aliases.read(o), b) for o, b in zip(others, before)), f"{route.name}: the other name changed"
     with torch.no_grad():  # x is still usable and still right, without donation
         assert_matches(rust.forward_owned(x, c), block(before_x, before_c))
 
@@ -96,8 +95,9 @@ def test_python_names_for_one_object_are_invalidated_together():
 
 
 def test_raw_donation_moves_the_buffer_out_of_the_python_object():
-    """Without RustBlock's class swap, the raw extension still moves: the Python object lets go of
-    the buffer (it becomes empty), so no Python name can read what the block writes."""
+    """The raw extension moves and marks, as RustBlock does: the Python object lets go of the buffer
+    (it becomes empty, so no Python name can read what the block writes) and becomes a
+    DonatedTensor, so that every later use raises instead of reading an empty tensor."""
     block, raw = _raw_block()
     x, c = small_inputs()
     y_name = x
@@ -107,7 +107,11 @@ def test_raw_donation_moves_the_buffer_out_of_the_python_object():
         out = raw.forward_owned(x, c, donate=True)
     assert out.data_ptr() == ptr
     assert_matches(out, expected)
-    assert x.numel() == 0 and y_name.numel() == 0 and x.untyped_storage().nbytes() == 0
+    assert isinstance(x, DonatedTensor) and y_name is x
+    with pytest.raises(RuntimeError, match="use of a donated tensor"):
+        x.sum()
+    with torch._C.DisableTorchFunctionSubclass():
+        assert x.numel() == 0 and x.untyped_storage().nbytes() == 0
 
 
 def test_no_thread_can_alias_x_between_the_check_and_the_move():
@@ -159,12 +163,6 @@ def test_no_thread_can_alias_x_between_the_check_and_the_move():
     assert accepted > 0 and refused > 0, (accepted, refused)  # both sides of the race were reached
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, np.ndarray):
-        return np.array_equal(a.view(np.uint8), b.view(np.uint8))
-    return same_bits(a, b)
-
-
 def test_a_tensor_jax_holds_through_dlpack_is_refused_until_jax_lets_go():
     """``jax.dlpack.from_dlpack(x)`` shares x's memory (no copy) and holds a handle on it: the
     donation is refused while the JAX array lives, and goes through once it is gone."""
@@ -179,3 +177,19 @@ def test_a_tensor_jax_holds_through_dlpack_is_refused_until_jax_lets_go():
     del held
     with torch.no_grad():
         assert_matches(raw.forward_owned(x, c, donate=True), block(before, c))
+
+
+def catalogue_rows_in_readme():
+    """The rows of README.md's alias catalogue table, cell by cell."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("### The alias catalogue", 1)[1]
+    lines = [ln for ln in section.split("\n\n")[2].splitlines() if ln.startswith("|")][2:]
+    return [tuple(cell.strip() for cell in ln.strip("|").split(" | ")) for ln in lines]
+
+
+def test_the_readme_catalogue_is_the_table_the_demo_runs():
+    """README.md's catalogue says only what plusequals.aliases.TABLE (run live by the demo, its
+    outcomes checked by tests/test_demo.py) says, row for row."""
+    assert catalogue_rows_in_readme() == [row.readme for row in aliases.TABLE]

@@ -1027,10 +1027,7 @@ def test_cpu_outputs_bitwise_identical_across_calls():
 
 
 # ============================================================================ the raw extension, without the Python guards
-# The Rust side checks these itself (rust/block.rs, rust/ownership.rs); the one gap left is xfail.
-
-
-RUST_GAP = "Rust-side gap, guarded in python/plusequals/rust.py"
+# The Rust side checks these itself (rust/block.rs, rust/ownership.rs, rust/facts.rs).
 
 
 def test_raw_extension_nested_input_raises_not_panics():
@@ -1048,12 +1045,13 @@ def test_raw_extension_nested_weight_raises_not_panics():
     assert isinstance(err, ValueError) and "norm1.weight" in str(err), repr(err)
 
 
-@pytest.mark.xfail(strict=True, reason=RUST_GAP + ": tch maps every non-CPU/CUDA/Vulkan device to Device::Mps")
 def test_raw_extension_names_the_meta_device():
+    """Rust reads devices through libtorch's own names (rust/facts.rs), not tch's Device, which
+    calls every device other than CPU, CUDA and Vulkan "Mps"."""
     _, raw = _raw_block()
     x, c = small_inputs()
     err = _raw_error(lambda: raw.forward(x.to("meta"), c))
-    assert isinstance(err, ValueError) and "meta" in str(err).lower(), repr(err)
+    assert isinstance(err, ValueError) and str(err) == "x is on meta but the block's weights are on cpu", repr(err)
 
 
 def test_raw_extension_reports_overflowing_dims():

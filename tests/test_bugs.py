@@ -92,7 +92,7 @@ def test_donation_refuses_aliases(rust):
     x, c = make_inputs()
     with torch.no_grad():
         alias = x.detach()
-        with pytest.raises(ValueError, match="storage is shared"):
+        with pytest.raises(ValueError, match="shares its storage"):
             rust.forward_owned(x, c, donate=True)
         with pytest.raises(ValueError, match="is a view"):
             rust.forward_owned(x[:1], c[:1], donate=True)

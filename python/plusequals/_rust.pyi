@@ -1,6 +1,6 @@
 """Stub for the extension module built from rust/python.rs (PyO3 glue over rust/block.rs)."""
 
-from typing import List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from torch import Tensor
 
@@ -28,3 +28,5 @@ class Block:
 
 def alias_routes() -> List[Tuple[str, str]]: ...
 def cpp_gallery() -> List[Tuple[str, bool, str]]: ...
+def tensor_facts(t: Tensor) -> Dict[str, Any]: ...
+def _fail_next_forward_owned_at(step: Optional[str]) -> None: ...

@@ -16,12 +16,14 @@ Two halves, one table:
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 Made = Tuple[Tensor, List[Any], Optional[Tensor]]
 
@@ -62,6 +64,36 @@ def _is_a_view(x: Tensor, c: Optional[Tensor]) -> Made:
     return base.view(x.shape), [base], c
 
 
+class Upgraded:
+    """A weak reference to x's storage, kept as the other name: ``read()`` upgrades it, as any
+    thread holding it could at any moment, and reads the memory as x's shape (None when gone).
+    ``clone()`` is a snapshot of that read, for the before/after comparisons."""
+
+    def __init__(self, x: Tensor, weak: Any, upgrade: Callable[[Any], Optional[torch.UntypedStorage]]) -> None:
+        self.weak, self.upgrade, self.like = weak, upgrade, (x.dtype, tuple(x.shape))
+
+    def read(self) -> Optional[Tensor]:
+        storage = self.upgrade(self.weak)
+        if storage is None or storage.nbytes() == 0:
+            return None
+        dtype, shape = self.like
+        return torch.tensor([], dtype=dtype).set_(storage).view(shape).clone()
+
+    def clone(self) -> Optional[Tensor]:
+        return self.read()
+
+
+def _python_weakref(x: Tensor, c: Optional[Tensor]) -> Made:
+    return x, [Upgraded(x, weakref.ref(x.untyped_storage()), lambda w: w())], c
+
+
+def _storage_weak_ref(x: Tensor, c: Optional[Tensor]) -> Made:
+    def upgrade(w: StorageWeakRef) -> Optional[torch.UntypedStorage]:
+        return None if w.expired() else torch.UntypedStorage._new_with_weak_ptr(w.cdata)
+
+    return x, [Upgraded(x, StorageWeakRef(x.untyped_storage()), upgrade)], c
+
+
 PY_ROUTES = [
     PyRoute("view kept", "kept = x.view(-1)", lambda x, c: (x, [x.view(-1)], c), "x", "view"),
     PyRoute("x is a view", "x = base.view(shape)", _is_a_view, "x", "view"),
@@ -74,6 +106,10 @@ PY_ROUTES = [
     PyRoute("x.numpy() kept", "a = x.numpy()", lambda x, c: (x, [x.numpy()], c), "x", "numpy"),
     PyRoute("dlpack memory", "x = torch.from_dlpack(a)", _dlpack, "x", "dlpack"),
     PyRoute("frombuffer memory", "x = torch.frombuffer(buf, ...)", _frombuffer, "x", "frombuffer"),
+    PyRoute("weakref to the storage kept", "r = weakref.ref(x.untyped_storage())", _python_weakref, "x",
+            "weak reference"),
+    PyRoute("StorageWeakRef kept", "r = StorageWeakRef(x.untyped_storage())", _storage_weak_ref, "x",
+            "weak reference"),
 ]
 
 
@@ -82,34 +118,87 @@ class Row:
     route: str
     pytorch: str
     rustc: str
-    run_time: str
+    run_time: str  # `rust:<route>` / `py:<route>`: measured live by the demo; otherwise what happens
     test: str
+    says: str = ""  # the README's run-time cell, for a live row
+
+    @property
+    def readme(self) -> Tuple[str, str, str, str, str]:
+        """The row as README.md's catalogue shows it (tests/test_aliases.py compares them)."""
+        return (self.route, self.pytorch, self.rustc, self.says or self.run_time, self.test)
 
 
-# The README's catalogue. "run time" is what forward_owned / add_in_place / a donation does;
-# `rust:<name>` rows are measured live by the demo from plusequals._rust.alias_routes().
+_RUST = "`tests/alias_routes.rs`"
+_PY = "`tests/test_aliases.py`"
+_TX = "`tests/test_transaction.py`, `tests/test_transaction_stateful.py`"
+
+# The README's catalogue, one row per route. "run time" is what forward_owned / add_in_place / a
+# donation does; `rust:<name>` and `py:<name>` rows are measured live by the demo
+# (plusequals._rust.alias_routes(), python_outcomes()).
 TABLE = [
-    Row("a borrow kept across the move", "silent", "E0505", "-", "tests/ui/borrow_across_move.rs"),
-    Row("use after the move", "silent", "E0382", "-", "tests/ui/use_after_move.rs"),
-    Row("a second `&mut`", "silent", "E0499", "-", "tests/ui/two_mutable_paths.rs"),
-    Row("`&x` mutated in place (tch `&mut self` op)", "silent", "E0596", "-", "tests/ui/mutate_borrowed_input.rs"),
-    Row("`shallow_clone`", "silent (`copy.copy`)", "compiles", "rust:shallow_clone", "tests/shallow_clone.rs"),
-    Row("`detach`", "silent", "compiles", "rust:detach", "tests/alias_routes.rs, tests/test_aliases.py"),
-    Row("`view` / `reshape`", "silent", "compiles", "rust:view / reshape", "tests/alias_routes.rs, tests/test_aliases.py"),
-    Row("`narrow` / indexing (a skip kept)", "silent", "compiles", "rust:narrow / indexing", "tests/alias_routes.rs, tests/test_aliases.py"),
-    Row("`transpose` / `expand`", "silent", "compiles", "rust:transpose / expand", "tests/alias_routes.rs, tests/test_aliases.py"),
-    Row("`context` overlaps `x`", "silent (context changes mid-block)", "compiles", "rust:context overlaps x", "tests/alias_routes.rs, tests/test_aliases.py"),
-    Row("grad mode back on inside the proof", "loud later (backward)", "compiles (`tch::with_grad`)", "rust:grad mode back on", "tests/alias_routes.rs"),
-    Row("autograd holds `x` for backward", "loud later (backward)", "compiles", "rust:autograd saved x", "tests/alias_routes.rs, tests/test_aliases.py"),
-    Row("`+=` while LayerNorm saved `x` (E0502's real sequence)", "loud later (backward)", "compiles", "rust:add_in_place while autograd holds x", "tests/alias_routes.rs"),
-    Row("numpy / dlpack / frombuffer memory", "silent (numpy array changes)", "compiles (`unsafe from_blob`)", "rust:foreign memory", "tests/alias_routes.rs, tests/test_aliases.py"),
-    Row("a Python view kept", "silent", "n/a", "py:view kept", "tests/test_aliases.py"),
-    Row("a Python slice kept (skip connection)", "silent", "n/a", "py:slice kept (skip)", "tests/test_aliases.py"),
-    Row("numpy memory, donated from Python", "silent (numpy array changes)", "n/a", "py:numpy memory", "tests/test_aliases.py"),
-    Row("one Python object, two names (`y = x`)", "silent", "n/a", "both names invalidated", "tests/test_aliases.py"),
-    Row("the handle an in-place op returned, kept", "n/a", "compiles", "rust:in-place op's returned handle", "tests/alias_routes.rs"),
-    Row("tch API: writes through that handle", "n/a", "compiles", "rust:tch API: returned handle", "tests/alias_routes.rs"),
-    Row("tch API: `f_*_out(&self, out: &Tensor)`, `copy_from`", "n/a", "compiles; clippy refuses it in this crate", "rust:tch API: _out through &Tensor", "tests/alias_routes.rs, tests/test_lint.py"),
+    Row("a borrow kept across the move", "silent", "E0505", "-", "`tests/ui/borrow_across_move.rs`"),
+    Row("use after the move", "silent", "E0382", "-", "`tests/ui/use_after_move.rs`"),
+    Row("a second `&mut`", "silent", "E0499", "-", "`tests/ui/two_mutable_paths.rs`"),
+    Row("`&x` mutated with a tch `&mut self` op", "silent", "E0596", "-", "`tests/ui/mutate_borrowed_input.rs`"),
+    Row("`shallow_clone`", "silent (`copy.copy`)", "compiles", "rust:shallow_clone",
+        f"`tests/shallow_clone.rs`, {_RUST}", "refused: 1 other handle"),
+    Row("`detach`", "silent", "compiles", "rust:detach", f"{_RUST}, {_PY}", "refused: storage shared with 1"),
+    Row("`view` / `reshape`", "silent", "compiles", "rust:view / reshape", f"{_RUST}, {_PY}",
+        "refused: 1 other handle (the view holds its base)"),
+    Row("`narrow` / indexing (a skip connection kept)", "silent", "compiles", "rust:narrow / indexing",
+        f"{_RUST}, {_PY}", "refused: 2 other handles"),
+    Row("`transpose` / `expand`", "silent", "compiles", "rust:transpose / expand", f"{_RUST}, {_PY}",
+        "refused: 2 other handles"),
+    Row("`context` overlaps `x`", "silent (context changes mid-block)", "compiles", "rust:context overlaps x",
+        f"{_RUST}, {_PY}", "refused, naming `context`"),
+    Row("grad mode turned back on inside the proof", "loud later (backward)", "compiles (`tch::with_grad`)",
+        "rust:grad mode back on", f"{_RUST}, `tests/entry_points.rs`", "refused: grad mode on"),
+    Row("autograd holds `x` for backward (`y = x * w`)", "loud later (backward)", "compiles",
+        "rust:autograd saved x", _RUST, "refused: 1 other handle; the gradient stays right"),
+    Row("`+=` while LayerNorm saved `x` (E0502's real sequence)", "loud later (backward)", "compiles",
+        "rust:add_in_place while autograd holds x", _RUST, "`add_in_place` refused: 1 other handle"),
+    Row("numpy / dlpack / `frombuffer` / `from_blob` memory", "silent (the numpy array changes)",
+        "compiles (`unsafe from_blob`)", "rust:foreign memory", f"{_RUST}, {_PY}", "refused: foreign memory"),
+    Row("a weak reference to `x`'s storage (`weak_intrusive_ptr`)", "silent (upgraded, it reads the output)",
+        "compiles", "rust:weak reference kept", _RUST, "refused: 1 weak reference; `try_forward_owned` hands `x` back"),
+    Row("`CppBlock::forward_owned` with a `shallow_clone` kept", "n/a", "compiles (C++ would write through it)",
+        "rust:C++ twin: shallow_clone kept", f"{_RUST}, `tests/entry_points.rs`",
+        "refused: 1 other handle (the C++ twin has the Rust contract)"),
+    Row("a Python view, slice, `detach` or `copy.copy` kept", "silent", "n/a", "py:view kept", _PY,
+        "refused by `RustBlock` and by the raw extension"),
+    Row("`a = x.numpy()` kept (or taken earlier)", "silent (the numpy array changes)", "n/a", "py:x.numpy() kept", _PY,
+        "refused: non-resizable storage (taking `x.numpy()` marks it for good)"),
+    Row("`x` exported by DLPack (`jax.dlpack.from_dlpack(x)`)", "silent", "n/a",
+        "refused while JAX holds it (its handle counts)", _PY),
+    Row("a Python `UntypedStorage` held", "silent", "n/a", "refused while it is held", _PY),
+    Row("a weakref or `StorageWeakRef` to `x`'s storage kept", "silent (upgraded, it reads the output)", "n/a",
+        "py:StorageWeakRef kept", f"{_PY}, {_TX}",
+        "refused: weak reference(s) (`weakref.ref(x.untyped_storage())` too); once dropped, `x` is donated"),
+    Row("one Python object, two names (`y = x`, `weakref.ref(x)`)", "silent", "n/a",
+        "donated: every name is invalidated together", f"{_PY}, {_TX}"),
+    Row("a TorchDispatchMode active (`FlopCounterMode`, a mode keeping every tensor)",
+        "silent (the mode may keep `x`)", "n/a",
+        "donation refused, naming the mode; `forward` exact (the mode sees its aten ops), `donate=False` exact "
+        "through the custom op (the raw extension refuses it)", _TX),
+    Row("a TorchFunctionMode active", "silent", "n/a",
+        "donation refused, naming the mode (`torch.device(...)` excepted); `forward` and `donate=False` through the "
+        "custom op, which the mode sees", _TX),
+    Row("a `__torch_dispatch__` subclass as `x` or `context` (`TwoTensor`)", "silent", "n/a",
+        "donation refused, naming it; `forward` and `donate=False` give the PyTorch block's `TwoTensor`",
+        "`tests/test_transaction.py`"),
+    Row("a functorch wrapper as `x` (`vmap`, `jvp`, `grad`)", "n/a", "n/a",
+        "`forward_owned` refused: no storage of its own (it was a Rust panic); `forward` runs under the transform",
+        "`tests/test_transaction.py`"),
+    Row("saved-tensor hooks that keep the Python object (`save_on_cpu`, an identity hook)",
+        "loud later (backward)", "n/a",
+        "donated: the hook holds the object, which is marked; the backward that unpacks it raises", _TX),
+    Row("the handle an in-place op returned, kept", "n/a", "compiles", "rust:in-place op's returned handle", _RUST,
+        "refused: 1 other handle (`h = x.f_mul_scalar_(..)`, kept)"),
+    Row("**tch API:** writing through that returned handle", "n/a", "compiles", "rust:tch API: returned handle",
+        _RUST, "**written**: tch's own API, out of this crate's reach"),
+    Row("**tch API:** `f_*_out(.., out: &Tensor)`, `copy_from(dst: &Tensor)`", "n/a",
+        "compiles; **clippy refuses it in this crate**", "rust:tch API: _out through &Tensor",
+        f"{_RUST}, `tests/test_lint.py`", "**written** in user code"),
 ]
 
 
@@ -133,16 +222,34 @@ def python_outcomes() -> dict:
     out = {}
     for route in PY_ROUTES:
         x, others, c = route.make(torch.randn(2, 5, 16, generator=g), torch.randn(2, 3, 12, generator=g))
-        before = [torch.as_tensor(o).clone() for o in [x, *others]]
+        before = [read(o) for o in [x, *others]]
         try:
             with torch.no_grad():
                 rust.forward_owned(x, c, donate=True)
             out[route.name] = "ACCEPTED"
         except ValueError as e:
-            kept = all(torch.equal(torch.as_tensor(o), b) for o, b in zip([x, *others], before))
+            kept = all(same(read(o), b) for o, b in zip([x, *others], before))
             arg = str(e).split(" ", 1)[0]
             out[route.name] = f"refused ({arg}); " + ("nothing written" if kept else "BUT SOMETHING CHANGED")
     return out
+
+
+def read(name: Any) -> Any:
+    """A snapshot of what a kept name reads now: a tensor, a numpy array, or None (a weak
+    reference whose storage is gone)."""
+    if isinstance(name, Upgraded):
+        return name.read()
+    return name.copy() if isinstance(name, np.ndarray) else name.clone()
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bitwise equality of two snapshots (``read``)."""
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    a, b = (torch.as_tensor(t).detach().reshape(-1).contiguous().view(torch.uint8) for t in (a, b))
+    return torch.equal(a, b)
 
 
 def table_rows(rust: Optional[dict] = None, python: Optional[dict] = None) -> List[Row]:
@@ -161,6 +268,6 @@ def table_rows(rust: Optional[dict] = None, python: Optional[dict] = None) -> Li
 def expected_outcome(row: Row, cell: str) -> bool:
     """What each run-time cell must say: the tch-API rows write (documented), every other live
     row refuses with nothing written."""
-    if row.route.startswith("tch API"):
+    if row.route.startswith("**tch API"):
         return cell.startswith("written")
     return cell.startswith("refused") and cell.endswith("nothing written")

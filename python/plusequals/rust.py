@@ -16,20 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from . import _rust, ops
+from .donated import DonatedTensor
 from .faithful import CHILDREN, BlockSpec, Reading, UnsupportedBlockError, probe, read_block
-
-
-class DonatedTensor(Tensor):
-    """What a tensor becomes after ``forward_owned(x, donate=True)``: its buffer now belongs to
-    the returned tensor, and any use of the old handle raises (the Python face of a move)."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        raise RuntimeError(
-            f"use of a donated tensor ({name}): it was moved into RustBlock.forward_owned(..., donate=True); "
-            "use the tensor that call returned, or pass donate=False to keep the input"
-        )
 
 
 def _check_tensor(name: str, t: object, optional: bool = False, device: Optional[torch.device] = None) -> None:
@@ -249,6 +237,8 @@ class RustBlock(nn.Module):
         self._ensure_current()
         _check_tensor("x", x, device=self._device)
         _check_tensor("context", context, optional=True, device=self._device)
+        if _seen_by_python(x, context, dispatch_modes=False):
+            return ops.block_forward(*self._op_args(x, context))
         return _run_under_saved_tensor_hooks(self._twin.inner.forward, x, context)
 
     def forward_owned(self, x: Tensor, context: Optional[Tensor] = None, donate: bool = False) -> Tensor:
@@ -256,8 +246,11 @@ class RustBlock(nn.Module):
 
         ``donate=False``: works on a copy; the caller's ``x`` is unchanged.
         ``donate=True``: writes into ``x``'s buffer and returns it under a new handle; ``x``
-        itself is invalidated (any later use raises). ``x`` must then own its storage alone.
+        itself is invalidated (any later use raises). ``x`` must then own its storage alone. A
+        refused donation leaves ``x`` exactly as it was (rust/python.rs, ``donate_into``).
         """
+        if not isinstance(donate, bool):
+            raise TypeError(f"donate must be a bool, got {type(donate).__name__} {donate!r}")
         traced = torch.compiler.is_compiling() or _symbolic(x, context)
         if not traced:
             self._ensure_current()
@@ -273,25 +266,40 @@ class RustBlock(nn.Module):
                         "(the textual-inversion bug). Use forward() to train, or call forward_owned under "
                         "torch.no_grad() / torch.inference_mode()."
                     )
-        if traced:
-            if donate:
+        if donate:
+            if traced:
                 raise RuntimeError(
                     "forward_owned(donate=True) cannot be traced (torch.compile, torch.export, FakeTensor): a donated "
                     "tensor is invalidated in Python, which a graph cannot express; pass donate=False (the compiler "
                     "may still reuse the buffer)"
                 )
+            return self._donate(x, context)
+        if traced:
             args = self._op_args(x, context)
             y = x.clone(memory_format=torch.contiguous_format)
             ops.block_forward_owned_(y, *args[1:])
             return y
-        if donate:
-            _check_donatable(x, context)
-        # With donate=True, Rust checks again from libtorch's own counts and, holding the GIL,
-        # moves the buffer out of x (x becomes an empty tensor) before it writes.
-        y = self._twin.inner.forward_owned(x, context, donate=bool(donate))
-        if donate:
-            x.__class__ = DonatedTensor
-        return y
+        if _seen_by_python(x, context, dispatch_modes=True):
+            # The same values, without an in-place op for Python code to see x in (a subclass's
+            # __torch_dispatch__ would apply it once per inner tensor, into one x).
+            with torch.no_grad():
+                return ops.block_forward(*self._op_args(x, context))
+        return self._twin.inner.forward_owned(x, context, donate=False)
+
+    def _donate(self, x: Tensor, context: Optional[Tensor]) -> Tensor:
+        """``forward_owned(x, donate=True)``: what only Python can see is refused here (modes,
+        subclasses whose Python code the Rust ops would bypass); Rust checks ownership, moves the
+        buffer and marks ``x`` donated, as one transaction (rust/python.rs, ``donate_into``)."""
+        reason = _why_not_donatable(x, context)
+        if reason:
+            raise ValueError(f"{reason}; nothing was donated: x is unchanged and usable (donate=False works on a copy)")
+        cls = type(x)
+        y = self._twin.inner.forward_owned(x, context, donate=True)
+        if cls is Tensor or _func(cls.__torch_function__) is not _TENSOR_TF:
+            return y
+        # Tensor's __torch_function__ converts results to the subclass: so does the donation,
+        # with a tensor that owns the buffer (as_subclass would make a view of y)
+        return Tensor._make_subclass(cls, y)
 
     def forward_loop(self, x: Tensor, context: Optional[Tensor] = None, n: int = 1, owned: bool = False) -> Tensor:
         """``n`` forwards without returning to Python (grad off); for measuring libtorch alone."""
@@ -349,6 +357,20 @@ _MODE_KEYS = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE", 
 _PLAIN = (Tensor, nn.Parameter, type(None))
 
 
+def _func(method: Any) -> Any:
+    return getattr(method, "__func__", method)
+
+
+_TENSOR_TF = _func(Tensor.__torch_function__)
+
+
+def _plain_torch_function(cls: type) -> bool:
+    """Whether ``cls``'s torch calls are libtorch's own: its ``__torch_function__`` is Tensor's
+    (which only converts the results to ``cls``) or the disabled one (``nn.Parameter``'s)."""
+    tf = _func(cls.__torch_function__)
+    return tf is _TENSOR_TF or tf is torch._C._disabled_torch_function_impl
+
+
 def _symbolic(x: object, context: object) -> bool:
     """Whether the call is traced or fake (a FakeTensor or functional tensor, or a fake, proxy or
     functional dispatch mode active): then the custom op runs, with its fake implementation."""
@@ -388,40 +410,54 @@ def _validated_inner(weights: Mapping[str, Tensor], language: str, *, dim, n_hea
     return inner, device
 
 
-def _check_donatable(x: Tensor, context: Optional[Tensor]) -> None:
-    """The clearer, Python-side messages. The Rust side (rust/ownership.rs) checks the same
-    rules and more from libtorch's own counts, atomically with the move, and is the authority."""
-    if not x.untyped_storage().resizable():
-        raise ValueError(
-            "x cannot be donated: its storage is not resizable, so its memory is not libtorch's alone "
-            "(torch.from_numpy, torch.from_dlpack, torch.frombuffer, a shared-memory tensor, or x.numpy() taken "
-            "earlier): its owner, such as a numpy array, may still read it and would see the in-place writes; "
-            "pass donate=False"
-        )
-    if x._base is not None:
-        raise ValueError("x cannot be donated: it is a view of another tensor, which would see the in-place writes")
-    if torch._debug_has_internal_overlap(x) != 0:  # 1: stride 0 (expanded), 2: maybe overlapping
-        raise ValueError(
-            f"x cannot be donated: its elements may share memory (strides {x.stride()}), so the in-place "
-            "residual adds would write one location several times; pass x.contiguous() or donate=False"
-        )
-    if x.is_inference() and not torch.is_inference_mode_enabled():
-        raise ValueError(
-            "x cannot be donated: it is an inference tensor and grad mode is not inference mode, where "
-            "libtorch refuses in-place writes to it; call under torch.inference_mode() or pass donate=False"
-        )
-    if context is not None and context.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        raise ValueError(
-            "context overlaps x (it shares x's storage), and x is donated: the in-place residual adds would "
-            "change the context the cross-attention reads; pass context.clone() or donate=False"
-        )
-    # One reference from x itself, one from the temporary storage object asked for here.
-    users = torch._C._storage_Use_Count(x.untyped_storage()._cdata) - 1
-    if users > 1:
-        raise ValueError(
-            f"x cannot be donated: its storage is shared with {users - 1} other tensor(s) "
-            "(views, detach(), copy.copy), which would see the in-place writes"
-        )
+def _user_function_modes() -> List[Any]:
+    """The active TorchFunctionModes, less ``torch.device``'s (which only picks factories' device)."""
+    if not torch._C._is_torch_function_mode_enabled():
+        return []
+    from torch.utils._device import DeviceContext
+
+    return [m for m in torch.overrides._get_current_function_mode_stack() if not isinstance(m, DeviceContext)]
+
+
+def _seen_by_python(x: object, context: object, dispatch_modes: bool) -> bool:
+    """Whether Python code must see this call as an op: a TorchFunctionMode is active (it sees
+    torch calls, never Rust's), x or context is a tensor subclass (its ``__torch_function__`` or
+    ``__torch_dispatch__`` would be bypassed), or, with ``dispatch_modes``, a TorchDispatchMode is
+    active (an in-place op would hand it ``x``). Then the call goes through the custom op, which
+    they see as one op (``plusequals::block_forward``), as they see any other."""
+    if type(x) not in _PLAIN or type(context) not in _PLAIN:
+        return True
+    if dispatch_modes and torch._C._len_torch_dispatch_stack():
+        return True
+    return bool(_user_function_modes())
+
+
+def _why_not_donatable(x: Tensor, context: Optional[Tensor]) -> Optional[str]:
+    """Why Python code would see (or miss) a donation of ``x``, or None. Rust refuses what
+    libtorch can tell (other owners, weak references, dispatch modes, ``__torch_dispatch__``
+    subclasses, functorch wrappers), naming them; this adds what only Python knows."""
+    modes = _user_function_modes()
+    if modes:
+        names = ", ".join(type(m).__qualname__ for m in modes)
+        return (f"x cannot be donated while a TorchFunctionMode is active ({names}): the mode sees torch calls, "
+                "and a donation is none (the Rust ops would bypass it)")
+    if torch._C._len_torch_dispatch_stack():
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        names = ", ".join(type(m).__qualname__ for m in _get_current_dispatch_mode_stack())
+        return (f"x cannot be donated while a TorchDispatchMode is active ({names}): the mode sees every op's "
+                "tensors, x included, and may keep them")
+    for name, t in (("x", x), ("context", context)):
+        cls = type(t)
+        if t is None or cls in _PLAIN:
+            continue
+        if cls.__torch_dispatch__ is not Tensor.__torch_dispatch__:
+            return (f"{name} is a {cls.__qualname__}, a tensor subclass with __torch_dispatch__: its Python code "
+                    "would be handed x by the in-place ops, and may keep it")
+        if not _plain_torch_function(cls):
+            return (f"{name} is a {cls.__qualname__}, a tensor subclass with its own __torch_function__, which the "
+                    "Rust ops would bypass")
+    return None
 
 
 _INT64_MAX = 2**63 - 1

@@ -10,7 +10,7 @@ use tch::Kind;
 
 fn main() -> Result<()> {
     let block = small_block()?;
-    let (mut x, _context) = small_inputs();
+    let (mut x, _context) = small_inputs()?;
     let saved_by_norm1 = &x;
     let h = block.attn1.forward(&block.norm1.forward(saved_by_norm1)?, None)?;
     x.add_in_place(&h)?;

@@ -7,7 +7,7 @@ use tch::{Kind, Tensor};
 
 fn main() -> Result<()> {
     let block = small_block()?;
-    let (x, context) = small_inputs();
+    let (x, context) = small_inputs()?;
     let saved: &Tensor = &x;
     let no_grad = NoGrad::new();
     let _y = block.forward_owned(x, Some(&context), &no_grad)?;

@@ -6,7 +6,7 @@ use plusequals::{NoGrad, Result};
 
 fn main() -> Result<()> {
     let block = small_block()?;
-    let (x, context) = small_inputs();
+    let (x, context) = small_inputs()?;
     let guard = NoGrad::new();
     let proof = &guard;
     drop(guard);

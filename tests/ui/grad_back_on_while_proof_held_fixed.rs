@@ -4,7 +4,7 @@ use plusequals::{NoGrad, Result};
 
 fn main() -> Result<()> {
     let block = small_block()?;
-    let (x, context) = small_inputs();
+    let (x, context) = small_inputs()?;
     let guard = NoGrad::new();
     let y = block.forward_owned(x, Some(&context), &guard)?;
     drop(guard);

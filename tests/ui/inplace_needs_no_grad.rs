@@ -11,7 +11,7 @@ fn training_step(block: &BasicTransformerBlock, x: Tensor, embedding: &Tensor) -
 
 fn main() -> Result<()> {
     let block = small_block()?;
-    let (x, context) = small_inputs();
+    let (x, context) = small_inputs()?;
     let _y = training_step(&block, x, &context.set_requires_grad(true))?;
     Ok(())
 }

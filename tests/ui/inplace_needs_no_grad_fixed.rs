@@ -10,7 +10,7 @@ fn training_step(block: &BasicTransformerBlock, x: &Tensor, embedding: &Tensor) 
 
 fn main() -> Result<()> {
     let block = small_block()?;
-    let (x, context) = small_inputs();
+    let (x, context) = small_inputs()?;
     let embedding = context.set_requires_grad(true);
     let loss = training_step(&block, &x, &embedding)?.f_square()?.f_mean(Kind::Float)?;
     loss.f_backward()?;

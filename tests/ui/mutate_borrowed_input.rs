@@ -15,6 +15,6 @@ fn attn1_residual(block: &BasicTransformerBlock, x: &Tensor) -> Result<()> {
 
 fn main() -> Result<()> {
     let block = small_block()?;
-    let (x, _context) = small_inputs();
+    let (x, _context) = small_inputs()?;
     attn1_residual(&block, &x)
 }

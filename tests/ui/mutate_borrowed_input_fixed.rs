@@ -9,7 +9,7 @@ fn attn1_residual(block: &BasicTransformerBlock, x: &Tensor) -> Result<Tensor> {
 
 fn main() -> Result<()> {
     let block = small_block()?;
-    let (x, _context) = small_inputs();
+    let (x, _context) = small_inputs()?;
     let before = x.copy();
     let _y = attn1_residual(&block, &x)?;
     assert!(x.equal(&before), "the caller's x is unchanged");

@@ -6,7 +6,7 @@ use plusequals::{AddInPlace, Result};
 
 fn main() -> Result<()> {
     let block = small_block()?;
-    let (mut x, context) = small_inputs();
+    let (mut x, context) = small_inputs()?;
     let a = block.attn1.forward(&block.norm1.forward(&x)?, None)?;
     let b = block.attn2.forward(&block.norm2.forward(&x)?, Some(&context))?;
     let x_path = &mut x;

@@ -6,7 +6,7 @@ use plusequals::{NoGrad, Result};
 
 fn main() -> Result<()> {
     let block = small_block()?;
-    let (x, context) = small_inputs();
+    let (x, context) = small_inputs()?;
     let no_grad = NoGrad::new();
     let y = block.forward_owned(x, Some(&context), &no_grad)?;
     let _skip = x.f_add(&y)?;

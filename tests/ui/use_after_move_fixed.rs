@@ -4,7 +4,7 @@ use plusequals::Result;
 
 fn main() -> Result<()> {
     let block = small_block()?;
-    let (x, context) = small_inputs();
+    let (x, context) = small_inputs()?;
     let before = x.copy();
     let y = block.forward(&x, Some(&context))?;
     let _skip = x.f_add(&y)?;

@@ -1,0 +1,192 @@
+//! What libtorch knows about a tensor, read through `cpp/tensor_facts.cpp` without a libtorch op
+//! and without a panic: use counts, weak references, storage, device, sizes, version counters,
+//! and the calling thread's grad mode, dispatch modes and autocast state; and the one setter,
+//! grad mode, for `ownership::NoGrad`.
+//!
+//! tch's own accessors (`size`, `kind`, `device`, `data_ptr`, ...) panic on a tensor that has
+//! no storage (a functorch wrapper, a `__torch_dispatch__` subclass); these return `None` or a
+//! code instead. `ownership.rs` and `block.rs` read tensors only through this module.
+
+use std::ffi::{c_char, c_void, CStr};
+
+use tch::Tensor;
+
+mod ffi {
+    use std::ffi::{c_char, c_void};
+    use torch_sys::C_tensor;
+
+    /// `pe_tensor_facts` in `cpp/tensor_facts.cpp`; the field comments there say what each reads.
+    #[repr(C)]
+    pub struct TensorFacts {
+        pub tensor_uses: i64,
+        pub tensor_weak_refs: i64,
+        pub storage_uses: i64,
+        pub storage_weak_refs: i64,
+        pub storage_pyobject: *mut c_void,
+        pub storage_pyobject_unreachable: i32,
+        pub storage_resizable: i32,
+        pub storage_has_allocator: i32,
+        pub deleter_is_allocators: i32,
+        pub is_view: i32,
+        pub storage_offset_bytes: i64,
+        pub storage_nbytes: i64,
+        pub nbytes: i64,
+        pub non_overlapping_and_dense: i32,
+        pub is_inference: i32,
+        pub inference_mode: i32,
+    }
+
+    extern "C" {
+        pub fn pe_tensor_facts(t: *const C_tensor, out: *mut TensorFacts) -> i32;
+        pub fn pe_memory_span(t: *const C_tensor, start: *mut u64, end: *mut u64) -> i32;
+        pub fn pe_grad_mode_enabled() -> i32;
+        pub fn pe_set_grad_mode(enabled: i32) -> i32;
+        pub fn pe_dispatch_modes() -> i64;
+        pub fn pe_autocast_produces(t: *const C_tensor, weight: *const C_tensor) -> i32;
+        pub fn pe_version(t: *const C_tensor) -> i64;
+        pub fn pe_versions(ts: *const *const C_tensor, n: i64) -> i64;
+        pub fn pe_dense_sizes(t: *const C_tensor, sizes: *mut i64, cap: i64) -> i64;
+        pub fn pe_device(t: *const C_tensor) -> i64;
+        pub fn pe_device_name(t: *const C_tensor, buf: *mut c_char, len: usize);
+    }
+}
+
+pub use ffi::TensorFacts;
+
+impl Default for TensorFacts {
+    fn default() -> Self {
+        TensorFacts {
+            tensor_uses: 0,
+            tensor_weak_refs: 0,
+            storage_uses: 0,
+            storage_weak_refs: 0,
+            storage_pyobject: std::ptr::null_mut(),
+            storage_pyobject_unreachable: 0,
+            storage_resizable: 0,
+            storage_has_allocator: 0,
+            deleter_is_allocators: 0,
+            is_view: 0,
+            storage_offset_bytes: 0,
+            storage_nbytes: 0,
+            nbytes: 0,
+            non_overlapping_and_dense: 0,
+            is_inference: 0,
+            inference_mode: 0,
+        }
+    }
+}
+
+/// What libtorch says about a tensor's memory (`pe_memory` in `cpp/tensor_facts.cpp`).
+pub enum Memory {
+    /// A dense tensor on its own storage, with its bookkeeping.
+    Dense(TensorFacts),
+    /// A meta tensor: shapes only, no bytes anyone could read.
+    None,
+    /// Nested, sparse, undefined, ...: no dense storage of its own.
+    NotDense,
+    /// A functorch wrapper (vmap's BatchedTensor, grad's and jvp's wrappers): no storage.
+    Functorch,
+    /// A tensor subclass with `__torch_dispatch__`: its data and every op on it are Python's.
+    PythonSubclass,
+}
+
+/// libtorch's bookkeeping for `t`.
+pub fn tensor_facts(t: &Tensor) -> Memory {
+    let mut facts = TensorFacts::default();
+    // SAFETY: `as_ptr` is tch's live `at::Tensor*` for `t`, which the borrow keeps alive; the
+    // C++ side only reads it and writes `facts`.
+    match unsafe { ffi::pe_tensor_facts(t.as_ptr(), &mut facts) } {
+        0 => Memory::Dense(facts),
+        3 => Memory::None,
+        4 => Memory::Functorch,
+        5 => Memory::PythonSubclass,
+        _ => Memory::NotDense,
+    }
+}
+
+/// The byte range `[start, end)` a dense tensor's elements occupy (`start == end` when it holds
+/// no bytes); `None` for a tensor without dense memory.
+pub fn memory_span(t: &Tensor) -> Option<(u64, u64)> {
+    let (mut start, mut end) = (0u64, 0u64);
+    // SAFETY: as in `tensor_facts`.
+    (unsafe { ffi::pe_memory_span(t.as_ptr(), &mut start, &mut end) } == 0).then_some((start, end))
+}
+
+/// This thread's grad mode, as libtorch sees it now.
+pub fn grad_mode_enabled() -> bool {
+    // SAFETY: reads a thread-local flag.
+    unsafe { ffi::pe_grad_mode_enabled() != 0 }
+}
+
+/// Sets this thread's grad mode and returns what it was (`ownership::NoGrad` uses it; tch's
+/// `no_grad_guard` would panic on a libtorch error).
+pub fn set_grad_mode(enabled: bool) -> bool {
+    // SAFETY: sets a thread-local flag.
+    unsafe { ffi::pe_set_grad_mode(i32::from(enabled)) != 0 }
+}
+
+/// How many TorchDispatchModes are active on this thread (each sees every op's tensors).
+pub fn dispatch_modes() -> i64 {
+    // SAFETY: reads thread-local state.
+    unsafe { ffi::pe_dispatch_modes() }
+}
+
+/// Whether autocast is on for `weight`'s device type on this thread and casts to `t`'s dtype:
+/// then `t` is what autocast produces (a bf16 activation beside fp32 weights), not a mismatch.
+pub fn autocast_produces(t: &Tensor, weight: &Tensor) -> bool {
+    // SAFETY: as in `tensor_facts`; reads thread-local autocast state.
+    unsafe { ffi::pe_autocast_produces(t.as_ptr(), weight.as_ptr()) != 0 }
+}
+
+/// `t`'s version counter, which every in-place write bumps (-1 for a tensor without one).
+pub fn version(t: &Tensor) -> i64 {
+    // SAFETY: as in `tensor_facts`.
+    unsafe { ffi::pe_version(t.as_ptr()) }
+}
+
+/// The sum of the tensors' version counters, in one call.
+pub fn versions(ts: &[&Tensor]) -> i64 {
+    let ptrs: Vec<_> = ts.iter().map(|t| t.as_ptr()).collect();
+    // SAFETY: `ptrs` holds `ts.len()` live tensors, borrowed for the call.
+    unsafe { ffi::pe_versions(ptrs.as_ptr(), ptrs.len() as i64) }
+}
+
+/// The sizes of a dense tensor, or `None` for one that has none (nested and other layouts,
+/// where tch's `size()` panics). Reads the sizes directly: no libtorch op, no allocation
+/// beyond the returned vector.
+pub fn dense_size(t: &Tensor) -> Option<Vec<i64>> {
+    let mut sizes = [0i64; 8];
+    // SAFETY: as in `tensor_facts`; the C++ side writes at most `sizes.len()` values.
+    let dim = unsafe { ffi::pe_dense_sizes(t.as_ptr(), sizes.as_mut_ptr(), sizes.len() as i64) };
+    match usize::try_from(dim) {
+        Ok(d) if d <= sizes.len() => Some(sizes[..d].to_vec()),
+        Ok(d) => {
+            let mut sizes = vec![0i64; d];
+            // SAFETY: as above, with a buffer of `dim` values.
+            let again = unsafe { ffi::pe_dense_sizes(t.as_ptr(), sizes.as_mut_ptr(), dim) };
+            (again == dim).then_some(sizes)
+        }
+        Err(_) => None,
+    }
+}
+
+/// The tensor's device as one comparable number (`None` for an undefined tensor): tch's
+/// `device()` panics where this returns.
+pub fn device(t: &Tensor) -> Option<i64> {
+    // SAFETY: as in `tensor_facts`.
+    let code = unsafe { ffi::pe_device(t.as_ptr()) };
+    (code >= 0).then_some(code)
+}
+
+/// The tensor's device as torch names it: "cpu", "cuda:0", "meta" (for messages).
+pub fn device_name(t: &Tensor) -> String {
+    let mut buf = [0 as c_char; 64];
+    // SAFETY: as in `tensor_facts`; the C++ side writes a NUL-terminated name into `buf`.
+    unsafe {
+        ffi::pe_device_name(t.as_ptr(), buf.as_mut_ptr(), buf.len());
+        CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned()
+    }
+}
+
+/// A Python object's address, as the C++ side reports it (a storage's `UntypedStorage`).
+pub type PyObjectPtr = *mut c_void;
