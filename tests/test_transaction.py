@@ -562,3 +562,28 @@ def test_saved_tensor_hooks_hold_the_python_object_and_backward_fails_loudly(hoo
     with pytest.raises(RuntimeError):
         loss.backward()
     assert w.grad is None
+
+
+@pytest.mark.parametrize("failure", ["bad context", "before_first_write", "after_first_write"])
+@pytest.mark.parametrize("name", ["RustBlock", "CppBlock"])
+def test_the_custom_op_path_writes_x_only_with_a_result(name, failure):
+    """``plusequals::block_forward_owned_(x!, ...)`` (what a compiled graph calls) declares that it
+    writes x; it computes on its own copy and writes x only once the result exists. A refusal,
+    and a failure before or after the copy's first write, leave x bitwise as it was."""
+    entry = Entry(name)
+    x, c = small_inputs()
+    before = x.clone()
+    args = list(entry.module._op_args(x, c))
+    if failure == "bad context":
+        args[1] = c[:1]
+        expected_error = ValueError
+    else:
+        _rust._fail_next_forward_owned_at(failure)
+        expected_error = RuntimeError
+    with torch.no_grad(), pytest.raises(expected_error):
+        torch.ops.plusequals.block_forward_owned_(*args)
+    _rust._fail_next_forward_owned_at(None)
+    assert same_bits(x, before)
+    with torch.no_grad():
+        torch.ops.plusequals.block_forward_owned_(*entry.module._op_args(x, c))
+    assert same_bits(x, entry.expected(before, c))
