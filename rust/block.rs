@@ -442,6 +442,7 @@ impl BasicTransformerBlock {
     /// Checks what libtorch would otherwise reject with a less helpful message, and that the
     /// weights are still the ones the block was built on ([`check_weights`](Self::check_weights)).
     pub fn check_inputs(&self, x: &Tensor, context: Option<&Tensor>) -> Result<()> {
+        self.check_weights()?; // first: inputs are checked against what the weights are
         let xb = self.check_input("x", x, self.dim)?;
         if let Some(context) = context {
             let cb = self.check_input("context", context, self.context_dim)?;
@@ -454,7 +455,7 @@ impl BasicTransformerBlock {
                 format!("is required: the block's cross-attention expects width {}", self.context_dim),
             ));
         }
-        self.check_weights()
+        Ok(())
     }
 
     /// Checks one input; returns its batch size.

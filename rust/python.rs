@@ -4,8 +4,11 @@
 use std::collections::HashMap;
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
+use pyo3::types::{PyDict, PyType};
+use pyo3::PyTraverseError;
 use pyo3_tch::PyTensor;
 use tch::Tensor;
 
@@ -17,15 +20,118 @@ use crate::facts::{dispatch_modes, PyObjectPtr};
 use crate::ownership::{check_owned_by, Alias, Caller};
 use crate::{BasicTransformerBlock, BlockConfig, Error, NoGrad, Result};
 
+pyo3::create_exception!(
+    _rust,
+    StaleBlock,
+    PyValueError,
+    "The block is no longer what it was built on: its module changed since it was read (the watch), or a \
+     weight's shape, dtype or device changed in place. RustBlock reads the module again and rebuilds."
+);
+
 /// `RuntimeError` for what went wrong while computing (libtorch, C++, a racing writer);
-/// `ValueError` for what was refused.
+/// `StaleBlock` for a block that must be rebuilt; `ValueError` for what was refused.
 fn to_py(err: Error) -> PyErr {
     let message = err.to_string();
     match err.root() {
         Error::Torch(_) | Error::Cpp(_) | Error::WeightsChanged | Error::Injected(_) => {
             PyRuntimeError::new_err(message)
         }
+        Error::WeightChanged { .. } => StaleBlock::new_err(message),
         _ => PyValueError::new_err(message),
+    }
+}
+
+/// What a reading of a module looked at (`plusequals.faithful.Watch`), compared in one pass at
+/// the start of every call that passes it, under the GIL: each noted value by identity in its
+/// dict, each module's exact class, each dict's size, hook dicts empty, and torch's global hook
+/// dicts holding the keys they held. A change raises `StaleBlock` before anything else runs.
+///
+/// It holds the module's own objects (a RustBlock's watch holds the RustBlock), so it takes part
+/// in Python's garbage collection (`__traverse__`, `__clear__`) like any container.
+#[pyclass(name = "Watch", module = "plusequals._rust")]
+struct PyWatch {
+    same: Vec<(Py<PyDict>, Py<PyAny>, Py<PyAny>)>,
+    classes: Vec<(Py<PyAny>, Py<PyType>)>,
+    sizes: Vec<(Py<PyDict>, usize)>,
+    empty: Vec<Py<PyDict>>,
+    keys: Vec<(Py<PyDict>, Vec<Py<PyAny>>)>,
+}
+
+#[pymethods]
+impl PyWatch {
+    #[new]
+    #[pyo3(signature = (same, classes, sizes, empty, keys))]
+    fn new(
+        same: Vec<(Py<PyDict>, Py<PyAny>, Py<PyAny>)>,
+        classes: Vec<(Py<PyAny>, Py<PyType>)>,
+        sizes: Vec<(Py<PyDict>, usize)>,
+        empty: Vec<Py<PyDict>>,
+        keys: Vec<(Py<PyDict>, Vec<Py<PyAny>>)>,
+    ) -> Self {
+        PyWatch { same, classes, sizes, empty, keys }
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        for (d, key, value) in &self.same {
+            visit.call(d)?;
+            visit.call(key)?;
+            visit.call(value)?;
+        }
+        for (obj, cls) in &self.classes {
+            visit.call(obj)?;
+            visit.call(cls)?;
+        }
+        for (d, _) in &self.sizes {
+            visit.call(d)?;
+        }
+        for d in &self.empty {
+            visit.call(d)?;
+        }
+        for (d, keys) in &self.keys {
+            visit.call(d)?;
+            for key in keys {
+                visit.call(key)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        (self.same, self.classes, self.sizes, self.empty, self.keys) = Default::default();
+    }
+
+    /// Whether everything is as it was read (stops at the first difference). A cleared watch
+    /// (collected with what it watched) holds nothing: it says changed.
+    fn unchanged(&self, py: Python<'_>) -> bool {
+        if self.classes.is_empty() {
+            return false;
+        }
+        let found = |d: &Py<PyDict>, key: &Py<PyAny>| -> *mut pyo3::ffi::PyObject {
+            // SAFETY: both are live objects (held here); the GIL is held; the result is borrowed
+            // and only compared by address.
+            unsafe { pyo3::ffi::PyDict_GetItemWithError(d.as_ptr(), key.as_ptr()) }
+        };
+        for (d, key, value) in &self.same {
+            if found(d, key) != value.as_ptr() {
+                let _lookup_error = PyErr::take(py); // a key whose __eq__ raised: changed
+                return false;
+            }
+        }
+        self.classes.iter().all(|(obj, cls)| obj.bind(py).get_type().is(cls.bind(py)))
+            && self.sizes.iter().all(|(d, n)| d.bind(py).len() == *n)
+            && self.empty.iter().all(|d| d.bind(py).is_empty())
+            && self.keys.iter().all(|(d, keys)| {
+                let d = d.bind(py);
+                d.len() == keys.len() && d.keys().iter().zip(keys).all(|(now, was)| now.is(was))
+            })
+    }
+}
+
+/// Raises `StaleBlock` unless `watch` (when given) finds everything as it was read.
+fn check_watch(py: Python<'_>, watch: Option<&Bound<'_, PyWatch>>) -> PyResult<()> {
+    match watch {
+        Some(w) if !w.try_borrow()?.unchanged(py) => Err(StaleBlock::new_err("the module changed since it was read")),
+        _ => Ok(()),
     }
 }
 
@@ -180,9 +286,17 @@ impl PyBlock {
         Ok(PyBlock { block: SharedBlock(Twins { rust, cpp }) })
     }
 
-    /// `op_plus_x` out of place; the GIL is released while libtorch computes.
-    #[pyo3(signature = (x, context=None))]
-    fn forward(&self, py: Python<'_>, x: PyTensor, context: Option<PyTensor>) -> PyResult<PyTensor> {
+    /// `op_plus_x` out of place; the GIL is released while libtorch computes. `watch`: see
+    /// [`PyWatch`].
+    #[pyo3(signature = (x, context=None, watch=None))]
+    fn forward(
+        &self,
+        py: Python<'_>,
+        x: PyTensor,
+        context: Option<PyTensor>,
+        watch: Option<Bound<'_, PyWatch>>,
+    ) -> PyResult<PyTensor> {
+        check_watch(py, watch.as_ref())?;
         let (x, context) = (x.0, context.map(|c| c.0));
         let block = &self.block;
         py.allow_threads(move || block.get().forward(&x, context.as_ref())).map(PyTensor).map_err(to_py)
@@ -190,14 +304,16 @@ impl PyBlock {
 
     /// In-place residuals with grad off. `donate=false` works on a copy of `x`;
     /// `donate=true` moves `x`'s buffer into the call, as a transaction: see [`donate`].
-    #[pyo3(signature = (x, context=None, donate=false))]
+    #[pyo3(signature = (x, context=None, donate=false, watch=None))]
     fn forward_owned(
         &self,
         py: Python<'_>,
         x: &Bound<'_, PyAny>,
         context: Option<PyTensor>,
         donate: bool,
+        watch: Option<Bound<'_, PyWatch>>,
     ) -> PyResult<PyTensor> {
+        check_watch(py, watch.as_ref())?;
         let tensor = x.extract::<PyTensor>().map_err(|e| PyTypeError::new_err(format!("argument 'x': {e}")))?.0;
         let context = context.map(|c| c.0);
         check_dispatch_modes(py).map_err(to_py)?;
@@ -239,7 +355,7 @@ impl PyBlock {
 
     /// `n` calls of `forward` (or of `forward_owned` on a copy made once) without
     /// returning to Python: libtorch's cost alone, for the benchmark.
-    #[pyo3(signature = (x, context=None, n=1, owned=false))]
+    #[pyo3(signature = (x, context=None, n=1, owned=false, watch=None))]
     fn forward_loop(
         &self,
         py: Python<'_>,
@@ -247,7 +363,9 @@ impl PyBlock {
         context: Option<PyTensor>,
         n: usize,
         owned: bool,
+        watch: Option<Bound<'_, PyWatch>>,
     ) -> PyResult<PyTensor> {
+        check_watch(py, watch.as_ref())?;
         let (x, context) = (x.0, context.map(|c| c.0));
         let block = &self.block;
         py.allow_threads(move || block.get().forward_loop(&x, context.as_ref(), n, owned)).map(PyTensor).map_err(to_py)
@@ -451,6 +569,8 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // pyo3-tch can only unwrap tensors once torch's Python classes are registered.
     m.py().import("torch")?;
     m.add_class::<PyBlock>()?;
+    m.add_class::<PyWatch>()?;
+    m.add("StaleBlock", m.py().get_type::<StaleBlock>())?;
     m.add_function(wrap_pyfunction!(alias_routes, m)?)?;
     m.add_function(wrap_pyfunction!(cpp_gallery, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_facts, m)?)?;

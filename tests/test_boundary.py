@@ -601,6 +601,7 @@ from_torch_specs = st.fixed_dictionaries(
         "op": pick((None,) * len(MODULE_OPS) + MODULE_OPS),
         "arg": st.integers(0, 10**6),
         "seed": st.integers(0, 1000),
+        "trust": pick([None, "probe"]),
     }
 )
 
@@ -623,11 +624,12 @@ def make_fuzz_module(spec):
         return small_block().attn1, [("block", "type")]
     if kind == "rust_block":
         return fuzz_block("cross")[1], [("block", "type")]
-    if kind == "compvis":  # another CompVis implementation: duck-typed, valid
+    if kind == "compvis":  # another CompVis implementation: valid after a probe, refused by default
         from conftest import randomize_
 
-        return randomize_(compvis_reference.BasicTransformerBlock(dim, spec["heads"], spec["d_head"], context_dim=ctx),
-                          spec["seed"]).eval(), []
+        block = randomize_(compvis_reference.BasicTransformerBlock(dim, spec["heads"], spec["d_head"], context_dim=ctx),
+                           spec["seed"]).eval()
+        return block, [] if spec["trust"] else [("compvis_reference.BasicTransformerBlock", "value")]
 
     block = make_block(dim, spec["heads"], spec["d_head"], context_dim=ctx, gated_ff=spec["gated"], seed=spec["seed"],
                        attention=spec["attention"], checkpoint=spec["checkpoint"]).to(spec["dtype"])
@@ -685,9 +687,10 @@ def sweep_modules(test):
     """Explicit examples: every non-block object and every module change once (the latter also
     on the meta device)."""
     valid = dict(object="block", dim=16, heads=2, d_head=8, context_dim=12, gated=True, attention="sdpa",
-                 dtype=torch.float32, meta=False, checkpoint=False, op=None, arg=0, seed=0)
+                 dtype=torch.float32, meta=False, checkpoint=False, op=None, arg=0, seed=0, trust=None)
     for obj in NON_BLOCKS:
         test = example(dict(valid, object=obj))(test)
+    test = example(dict(valid, object="compvis", trust="probe"))(test)
     for i, op in enumerate(MODULE_OPS):
         for meta in (False, True):
             test = example(dict(valid, op=op, arg=i, meta=meta, dtype=(torch.float32, torch.float64)[i % 2]))(test)
@@ -704,7 +707,7 @@ def fuzz_from_torch(spec):
         STATS[f"op:{spec['op']}"] += 1
     snaps = {k: snapshot(v) for k, v in module.named_parameters()} if isinstance(module, nn.Module) else {}
     label = f"from_torch({spec}), problems={problems}"
-    rust, _ = attempt(lambda: RustBlock.from_torch(module), problems, label, "valid block refused")
+    rust, _ = attempt(lambda: RustBlock.from_torch(module, trust=spec["trust"]), problems, label, "valid block refused")
     if not problems:
         device = next(module.parameters()).device
         dtype = next(module.parameters()).dtype

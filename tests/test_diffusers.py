@@ -250,10 +250,10 @@ REFUSED = {
     "double_self_attention": (_double_self, "double_self_attention=True"),
     "positional_embeddings": (_pos_embed, "positional_embeddings='sinusoidal'"),
     "gelu_tanh_ff": (_gelu_tanh_ff, "ff.net.0 is GELU(approximate='tanh')"),
-    "swiglu_ff": (_swiglu_ff, "ff.net.0 is SwiGLU"),
+    "swiglu_ff": (_swiglu_ff, "ff.net.0 is diffusers.models.activations.SwiGLU"),
     "dropout": (_dropout, "dropout p=0.1"),
     "attention_bias": (_attention_bias, "attn1.to_q has a bias"),
-    "sliced_processor": (_sliced_processor, "attn2 uses attention processor SlicedAttnProcessor"),
+    "sliced_processor": (_sliced_processor, "attn2 uses attention processor diffusers.models.attention_processor.SlicedAttnProcessor"),
     "forward_hook": (_hook, "attn1 has forward_hooks"),
     "ff_chunking": (_chunking, "feed-forward chunking"),
     "layer_norm_eps": (_eps, "norm3 has eps=1e-06"),
@@ -335,7 +335,7 @@ def test_calls_it_cannot_honour_raise(diffusers):
         unet.set_attn_processor(AttnProcessor())  # the same maths (other ops: within the bound): still runs
         assert rel_err(run(unet, inputs), expected) <= TOL
         unet.set_attn_processor(SlicedAttnProcessor(2))
-        with pytest.raises(UnsupportedBlockError, match="attn1 uses attention processor SlicedAttnProcessor"):
+        with pytest.raises(UnsupportedBlockError, match="attn1 uses attention processor diffusers.models.attention_processor.SlicedAttnProcessor"):
             run(unet, inputs)
         unet.set_attn_processor(AttnProcessor())
         handle = block.attn2.register_forward_hook(lambda *a: None)  # would be bypassed: refused
@@ -347,7 +347,7 @@ def test_calls_it_cannot_honour_raise(diffusers):
         assert rel_err(run(unet, inputs), expected) <= TOL and calls == [1]
         handle.remove()
         block.attn1.to_q = nn.Sequential(block.attn1.to_q)  # what PEFT injection looks like to the block
-        with pytest.raises(UnsupportedBlockError, match="attn1.to_q is Sequential, not a plain nn.Linear"):
+        with pytest.raises(UnsupportedBlockError, match="attn1.to_q is nn.Sequential, not a plain nn.Linear"):
             run(unet, inputs)
 
 

@@ -413,7 +413,8 @@ def test_a_weight_changed_in_place_is_refused_before_the_move(entry, change):
     with pytest.raises(RuntimeError):
         entry.expected(x, c)
     before = record(x)
-    with pytest.raises(ValueError, match='weight "attn2.to_k.weight" changed since the block was built'):
+    # RustBlock and CppBlock read their module again and name the shape; the raw block names the change
+    with pytest.raises(ValueError, match='weight "attn2.to_k.weight" (changed since the block was built|has shape)'):
         entry.owned(x, c)
     cls, ptr, shape, stride, offset, dtype, data = before
     assert type(x) is cls and same_bits(x, data) and x.untyped_storage().data_ptr() == ptr

@@ -18,21 +18,25 @@ three times, with
 * every ``nn.Dropout`` at ``p == 0``, or in eval mode (where dropout is the identity);
 * no hooks (the Rust block would bypass them), no buffers, and exactly the expected parameters.
 
-Anything else is refused, naming the module path and the cause. A block whose classes this
-module does not know (an independent CompVis implementation) is accepted when its layout
-and leaves pass these checks *and* its output agrees with the Rust block's on a probe input
-(:func:`probe`); on the meta device, or in a dtype other than fp32/fp64, the probe is skipped.
+Anything else is refused, naming the module path and the cause; so are torch's global module
+hooks, which fire on every submodule (observers such as FlopCounterMode's ModuleTracker
+excepted). A block whose classes this module does not know (an independent CompVis
+implementation) is refused too, unless the caller passes ``trust="probe"``: then it is accepted
+when its layout and leaves pass these checks *and* its output agrees with the Rust block's on a
+probe input (:func:`probe`), and it is probed again whenever its dtype, device or instance state
+changes. On the meta device, or in a dtype other than fp32/fp64, the probe cannot run, and waits
+for a state where it can.
 
 The :class:`Watch` is how a block made from a module stays current (``RustBlock._ensure_current``):
-each call compares the values the reading looked at (submodules, parameters by identity;
-``eps``, ``p``, ``training`` where it matters, processors, ...) with what they are now, checks
-that no hook appeared, and reads the block again when anything differs.
+each call compares the values the reading looked at (submodules, parameters and unknown classes'
+state by identity; ``eps``, ``p``, ``training`` where it matters, processors, ...) and the exact
+class of every module with what they are now, checks that no submodule, parameter or buffer was
+added and no hook appeared (global ones included), and reads the block again when anything differs.
 """
 
 from __future__ import annotations
 
 import math
-import operator
 import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -40,7 +44,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["BlockSpec", "Reading", "UnsupportedBlockError", "Watch", "read_block", "rust_keys", "probe"]
+__all__ = ["BlockSpec", "Reading", "UnsupportedBlockError", "Watch", "can_probe", "class_name", "probe", "read_block",
+           "rust_keys"]
 
 #: The six submodules of a block, in diffusers' registration order (the CompVis order differs;
 #: state_dict keys are the same).
@@ -50,6 +55,10 @@ CHILDREN = ("norm1", "attn1", "norm2", "attn2", "norm3", "ff")
 #: dropout. AttnProcessor2_0 is diffusers' default under torch 2; AttnProcessor is the same maths
 #: without SDPA (it honours ``attn.scale`` and upcasting, which are checked separately).
 SUPPORTED_PROCESSORS = ("AttnProcessor2_0", "AttnProcessor")
+
+#: What ``read_block`` (and ``RustBlock.from_torch``) may be told to trust: nothing beyond the
+#: classes it knows (None), or classes it does not know, once a probe agrees ("probe").
+TRUST = (None, "probe")
 
 LAYER_NORM_EPS = 1e-5
 
@@ -96,44 +105,92 @@ def rust_keys(gated_ff: bool) -> Tuple[str, ...]:
 # --------------------------------------------------------------------------------------------
 
 
+def class_name(obj: Any) -> str:
+    """``obj``'s class as a reader finds it: ``nn.Linear`` for torch's own layers, the qualified
+    name otherwise (``peft.tuners.lora.layer.Linear``, not a bare ``Linear``)."""
+    cls = type(obj)
+    if cls.__module__.startswith("torch.nn.modules."):
+        return f"nn.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _global_hooks() -> Dict[str, dict]:
+    """torch's global module hooks, by kind: they fire on every module's forward or backward,
+    the PyTorch block's submodules included, which the Rust block bypasses."""
+    from torch.nn.modules import module
+
+    return {"forward": module._global_forward_hooks, "forward pre": module._global_forward_pre_hooks,
+            "backward": module._global_backward_hooks, "backward pre": module._global_backward_pre_hooks}
+
+
+def _observer_types() -> tuple:
+    """Trackers whose global hooks only observe which module runs (FlopCounterMode's
+    ModuleTracker, ModTracker): they change no input or output, and see the RustBlock as one
+    module."""
+    from torch.utils.module_tracker import ModuleTracker
+
+    types = [ModuleTracker]
+    try:
+        from torch.distributed._tools.mod_tracker import ModTracker
+
+        types.append(ModTracker)
+    except ImportError:  # torch built without distributed
+        pass
+    return tuple(types)
+
+
+def global_hook_kinds() -> List[str]:
+    """The kinds of global module hooks registered now, other than observers'."""
+    observers = _observer_types()
+    return [kind for kind, hooks in _global_hooks().items()
+            if any(not isinstance(getattr(h, "__self__", None), observers) for h in hooks.values())]
+
+
 class Watch:
     """Every value a reading looked at, with the dict it sits in (a module's ``__dict__``,
-    ``_modules`` or ``_parameters``), and the size of each instance ``__dict__`` read from.
-    :meth:`unchanged` compares them in C loops: tensors (parameters) by identity, other values
-    by ``==``, and the sizes (an attribute set later on an instance, such as accelerate's
-    ``_hf_hook`` and ``forward``). Hook dicts must stay empty. A change only costs a second
-    reading, so a false alarm is harmless. (A parameter, buffer or submodule *added* later,
-    which the Rust block would not use, is not watched.)"""
+    ``_modules`` or ``_parameters``), and the size of each dict read from. :meth:`unchanged`
+    compares them in one pass in Rust (``plusequals._rust.Watch``, which every call of a
+    ``RustBlock`` runs first): every value by identity (a value set again, equal, only costs a
+    second reading); the exact class of every module read; the sizes (an attribute set later on
+    an instance, such as accelerate's ``_hf_hook`` and ``forward``; a submodule appended to a
+    ``Sequential``; a parameter or buffer added). Hook dicts must stay empty, and torch's global
+    module hooks as they were. A change only costs a second reading, so a false alarm is
+    harmless."""
 
     __slots__ = ("vdicts", "vkeys", "values", "tdicts", "tkeys", "tensors", "ldicts", "lens", "hook_dicts", "attrs",
-                 "_seen", "_lseen")
+                 "modules", "classes", "globals", "rust", "_seen", "_lseen", "_mseen")
 
     def __init__(self) -> None:
         self.vdicts: List[dict] = []
         self.vkeys: List[str] = []
         self.values: List[Any] = []
-        self.tdicts: List[dict] = []
+        self.tdicts: List[dict] = []  # tensors (parameters), and unknown classes' state
         self.tkeys: List[str] = []
-        self.tensors: List[torch.Tensor] = []
+        self.tensors: List[Any] = []
         self.ldicts: List[dict] = []
         self.lens: List[int] = []
         self.hook_dicts: List[dict] = []
+        self.modules: List[nn.Module] = []  # every module read, and its exact class
+        self.classes: List[type] = []
+        self.globals: List[dict] = list(_global_hooks().values())
+        self.rust: Any = None  # the Rust watch, made by seal()
         # (object, name, value) of every non-tensor value: what a traced forward compares, so
         # that torch.compile guards on it (tensors reach the custom op as arguments instead).
         self.attrs: List[Tuple[Any, str, Any]] = []
         self._seen: set = set()
         self._lseen: set = set()
+        self._mseen: set = set()
 
     def _sized(self, d: dict) -> None:
         if id(d) not in self._lseen:
             self._lseen.add(id(d))
             self.ldicts.append(d)
 
-    def _note(self, d: dict, key: str, value: Any, obj: Any) -> Any:
+    def _note(self, d: dict, key: str, value: Any, obj: Any, by_identity: bool = False) -> Any:
         if (id(d), key) in self._seen:
             return value
         self._seen.add((id(d), key))
-        if isinstance(value, torch.Tensor):
+        if by_identity or isinstance(value, torch.Tensor):
             self.tdicts.append(d)
             self.tkeys.append(key)
             self.tensors.append(value)
@@ -144,9 +201,28 @@ class Watch:
             self.attrs.append((obj, key, value))
         return value
 
+    def module(self, m: nn.Module) -> None:
+        """Notes ``m``'s exact class and the sizes of its submodule, parameter and buffer dicts."""
+        if id(m) in self._mseen:
+            return
+        self._mseen.add(id(m))
+        self.modules.append(m)
+        self.classes.append(type(m))
+        for store in (m._modules, m._parameters, m._buffers):
+            self._sized(store)
+
+    def state(self, m: nn.Module) -> None:
+        """Notes every value on the instance ``m`` by identity: the state an unknown class's
+        forward may read (mutation inside a value, a class attribute or a global it reads is
+        beyond this: see ``RustBlock.from_torch``'s ``trust``)."""
+        self._sized(m.__dict__)
+        for key, value in m.__dict__.items():
+            if key not in _MODULE_STORES:
+                self._note(m.__dict__, key, value, m, by_identity=True)
+
     def get(self, obj: Any, name: str, default: Any = None) -> Any:
         """``getattr(obj, name, default)``, noted."""
-        if isinstance(obj, nn.Module):
+        if isinstance(obj, nn.Module):  # its class and stores: tree() notes every module of the block
             for store in (obj._parameters, obj._buffers, obj._modules):
                 if name in store:
                     return self._note(store, name, store[name], obj)
@@ -181,20 +257,26 @@ class Watch:
         return kinds
 
     def seal(self) -> "Watch":
+        from . import _rust
+
         self.lens = list(map(len, self.ldicts))
-        self._seen = self._lseen = set()
+        same = list(zip(self.vdicts, self.vkeys, self.values)) + list(zip(self.tdicts, self.tkeys, self.tensors))
+        self.rust = _rust.Watch(same=same, classes=list(zip(self.modules, self.classes)),
+                                sizes=list(zip(self.ldicts, self.lens)), empty=self.hook_dicts,
+                                keys=[(d, list(d)) for d in self.globals])
+        self._seen = self._lseen = self._mseen = set()
         return self
 
     def unchanged(self) -> bool:
-        try:
-            return (
-                list(map(operator.getitem, self.vdicts, self.vkeys)) == self.values
-                and all(map(operator.is_, map(operator.getitem, self.tdicts, self.tkeys), self.tensors))
-                and list(map(len, self.ldicts)) == self.lens
-                and not any(self.hook_dicts)
-            )
-        except (KeyError, RuntimeError):  # a key gone; a tensor where a value was (its == is elementwise)
-            return False
+        return self.rust.unchanged()
+
+
+# What a module's __dict__ holds besides its own state: watched on their own (Watch.module, hooks_of).
+_MODULE_STORES = frozenset({"_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks",
+                            "_backward_hooks", "_backward_pre_hooks", "_forward_hooks_with_kwargs",
+                            "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
+                            "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                            "_load_state_dict_post_hooks", "_non_persistent_buffers_set"})
 
 
 @dataclass
@@ -248,6 +330,7 @@ class _Reader:
         self.w = Watch()
         self.reasons: List[str] = []
         self.slots: Dict[str, Tuple[nn.Module, str, str]] = {}  # rust key -> (owner, name, path)
+        self.refused: List[str] = []  # module paths refused for their class: their parameters say nothing more
 
     def no(self, reason: str) -> None:
         self.reasons.append(reason)
@@ -264,12 +347,12 @@ class _Reader:
 
     # -- leaves --------------------------------------------------------------------------------
 
-    def layer_norm(self, norm: Any, name: str, dim: int) -> None:
+    def layer_norm(self, norm: Any, name: str, dim: Optional[int]) -> None:
         if type(norm) is not nn.LayerNorm:
-            self.no(f"{name} is {type(norm).__name__}, not a plain nn.LayerNorm")
+            self.no(f"{name} is {class_name(norm)}, not a plain nn.LayerNorm")
             return
         shape = tuple(self.w.get(norm, "normalized_shape"))
-        if shape != (dim,):
+        if dim is not None and shape != (dim,):  # dim is None when to_q is refused: no second cause
             self.no(f"{name} normalises over {shape}, not ({dim},)")
         affine = norm.elementwise_affine  # not watched: forward reads the parameters (watched) instead
         weight = self.param(norm, "weight", f"{name}.weight")
@@ -285,8 +368,9 @@ class _Reader:
     def linear(self, lin: Any, name: str, bias: bool, key: Optional[str] = None) -> bool:
         """Checks a plain nn.Linear and notes its slots (``key``: its Rust name, when it differs)."""
         if type(lin) is not nn.Linear:
-            self.no(f"{name} is {type(lin).__name__}, not a plain nn.Linear "
+            self.no(f"{name} is {class_name(lin)}, not a plain nn.Linear "
                     "(LoRA/PEFT or quantised layers are not supported)")
+            self.refused.append(name)
             return False
         key = key or name
         self.param(lin, "weight", f"{name}.weight", f"{key}.weight")
@@ -301,7 +385,7 @@ class _Reader:
 
     def dropout(self, m: Any, name: str) -> None:
         if type(m) is not nn.Dropout:
-            self.no(f"{name} is {type(m).__name__}, not nn.Dropout")
+            self.no(f"{name} is {class_name(m)}, not nn.Dropout")
             return
         self.dropout_p(m, name)
 
@@ -314,7 +398,7 @@ class _Reader:
 
     # -- the whole tree: hooks, buffers, dropouts, the parameter set ---------------------------
 
-    def tree(self, expected: Tuple[str, ...], skip_root_hooks: bool = False) -> None:
+    def tree(self, expected: Tuple[str, ...]) -> None:
         modules: List[Tuple[str, nn.Module]] = [("", self.root)]
         for name in CHILDREN:
             kid = self.kids.get(name)
@@ -323,13 +407,18 @@ class _Reader:
         for name, other in self.root._modules.items():  # what else the block holds: its parameters count
             if name not in CHILDREN and isinstance(other, nn.Module):
                 modules += [(f"{name}.{sub}" if sub else name, m) for sub, m in other.named_modules()]
+        kinds = global_hook_kinds()
+        if kinds:
+            self.no(f"torch's global module {' and '.join(kinds)} hooks are registered "
+                    "(torch.nn.modules.module.register_module_*_hook): they fire on the PyTorch block's submodules, "
+                    "which the Rust block bypasses; remove them (handle.remove()) to run it")
         params, buffers = [], []
         for path, m in modules:
+            self.w.module(m)
             if m is self.root:
-                if not skip_root_hooks:
-                    kinds = self.w.hooks_of(m)
-                    if kinds:
-                        self.no(f"<block> has {', '.join(kinds)}, which the Rust block would bypass")
+                kinds = self.w.hooks_of(m)
+                if kinds:
+                    self.no(f"<block> has {', '.join(kinds)}, which the Rust block would bypass")
                 params += [n for n, p in m._parameters.items() if p is not None]
                 buffers += [n for n, b in m._buffers.items() if b is not None]
                 continue
@@ -339,15 +428,17 @@ class _Reader:
             if isinstance(m, nn.Dropout) and type(m) is nn.Dropout:
                 self.dropout_p(m, path)
             elif isinstance(m, nn.modules.dropout._DropoutNd) and m.p != 0 and m.training:
-                self.no(f"{path} is {type(m).__name__} with p={m.p} in training mode")
+                self.no(f"{path} is {class_name(m)} with p={m.p} in training mode")
             params += [f"{path}.{n}" for n, p in m._parameters.items() if p is not None]
             buffers += [f"{path}.{n}" for n, b in m._buffers.items() if b is not None]
-        extra = [p for p in params if p not in expected]
-        missing = [p for p in expected if p not in params]
-        for p in extra[:4]:
-            self.no(f"parameter {p} is not one the Rust block uses (extra parameters: {extra[:4]})")
-        for p in missing[:4]:
-            self.no(f"parameter {p} is missing")
+        explained = tuple(f"{path}." for path in self.refused)
+        extra = [p for p in params if p not in expected and not p.startswith(explained)]
+        missing = [p for p in expected if p not in params and not p.startswith(explained)]
+        more = lambda names: f" (and {len(names) - 4} more)" if len(names) > 4 else ""  # noqa: E731
+        if extra:
+            self.no(f"parameters the Rust block does not use: {', '.join(extra[:4])}{more(extra)}")
+        if missing:
+            self.no(f"parameters missing: {', '.join(missing[:4])}{more(missing)}")
         if buffers:
             self.no(f"it has buffers {buffers[:4]}, which the Rust block does not use")
 
@@ -370,12 +461,13 @@ def _not_a_block(block: Any, why: str) -> TypeError:
 
 
 def read_block(block: Any, kids: Optional[Dict[str, Any]] = None, *, owner: Optional[nn.Module] = None,
-               skip_root_hooks: bool = False) -> Reading:
+               trust: Optional[str] = None) -> Reading:
     """Reads ``block`` against the definition (module docstring).
 
     ``kids``: the six submodules to read instead of ``block``'s own; ``owner``: the module that
     took them over (a ``RustBlock``, the swap's replacement), whose own slots for them are
-    watched too. Block-level attributes are read from ``block``.
+    watched too. Block-level attributes are read from ``block``. ``trust="probe"`` accepts
+    classes this module does not know, for the probe to check (``RustBlock.from_torch``).
     Raises ``TypeError`` naming ``block`` when it is not a transformer block at all; every other
     problem is a reason in the returned :class:`Reading`.
     """
@@ -387,18 +479,20 @@ def read_block(block: Any, kids: Optional[Dict[str, Any]] = None, *, owner: Opti
         raise _not_a_block(block, "not a torch.nn.Module")
     if kids is None:
         kids = {name: block._modules.get(name, getattr(block, name, None)) for name in CHILDREN}
+    if trust not in TRUST:
+        raise ValueError(f"trust must be one of {TRUST}, got {trust!r}")
     r = _Reader(block, kids)
-    for holder in (block, owner):  # noted: a replaced submodule means a new reading
-        if holder is not None:
-            for name in CHILDREN:
-                if name in holder._modules:
-                    r.w.get(holder, name)
+    for name in CHILDREN:  # noted: a replaced submodule means a new reading
+        if name in block._modules:
+            r.w.get(block, name)
+        if owner is not None and name in owner._modules:  # by identity, with no guard that would hold owner
+            r.w._note(owner._modules, name, owner._modules[name], None, by_identity=True)
     if type(block).__module__.startswith("diffusers.") or _is_diffusers_block(block):
-        return _read_diffusers(r, block, skip_root_hooks)
+        return _read_diffusers(r, block)
     missing = [name for name in CHILDREN if not isinstance(kids.get(name), nn.Module)]
     if missing:
         raise _not_a_block(block, f"it has no submodule {', '.join(missing)}")
-    return _read_compvis(r, skip_root_hooks)
+    return _read_compvis(r, trust)
 
 
 def _heads_and_scale(r: _Reader, attn1: Any, attn2: Any) -> Tuple[Optional[int], Optional[int], Optional[int]]:
@@ -431,7 +525,7 @@ def _attention_projections(r: _Reader, attn: Any, name: str) -> None:
         r.linear(r.child(attn, proj), f"{name}.{proj}", bias=False)
     to_out = r.child(attn, "to_out")
     if type(to_out) not in (nn.Sequential, nn.ModuleList) or len(to_out) != 2:
-        r.no(f"{name}.to_out is {type(to_out).__name__}, not [Linear, Dropout]")
+        r.no(f"{name}.to_out is {class_name(to_out)}, not [Linear, Dropout]")
         return
     r.linear(r.child(to_out, "0"), f"{name}.to_out.0", bias=True)
     r.dropout(r.child(to_out, "1"), f"{name}.to_out.1")
@@ -443,7 +537,7 @@ def _feed_forward(r: _Reader, ff: Any, dim: Optional[int], gated_types: tuple, g
     only a ``proj`` is taken for a GEGLU (the CompVis layout; the probe checks its forward)."""
     net = r.child(ff, "net")
     if type(net) not in (nn.Sequential, nn.ModuleList):
-        r.no(f"ff.net is {type(net).__name__}, not a Sequential [activation, Dropout, Linear]")
+        r.no(f"ff.net is {class_name(net)}, not a Sequential [activation, Dropout, Linear]")
         return None
     if len(net) != 3:
         r.no(f"ff.net has {len(net)} layers, not [activation, Dropout, Linear] (final_dropout=True?)")
@@ -468,13 +562,13 @@ def _feed_forward(r: _Reader, ff: Any, dim: Optional[int], gated_types: tuple, g
         r.linear(r.child(act, "0"), "ff.net.0.0", bias=True)
         gelu = r.child(act, "1")
         if type(gelu) is not nn.GELU:
-            r.no(f"ff.net.0.1 is {type(gelu).__name__}; the Rust block's feed-forward uses the exact GELU (nn.GELU())")
+            r.no(f"ff.net.0.1 is {class_name(gelu)}; the Rust block's feed-forward uses the exact GELU (nn.GELU())")
         elif r.w.get(gelu, "approximate") != "none":
             r.no(f"ff.net.0.1 is GELU(approximate={gelu.approximate!r}); the Rust block uses the exact GELU "
                  "(approximate='none')")
         width = 4 * dim if dim else None
     else:
-        r.no(f"ff.net.0 is {type(act).__name__}; only GEGLU (exact GELU) or Linear + exact GELU are supported")
+        r.no(f"ff.net.0 is {class_name(act)}; only GEGLU (exact GELU) or Linear + exact GELU are supported")
         return None
     r.dropout(r.child(net, "1"), "ff.net.1")
     r.linear(r.child(net, "2"), "ff.net.2", bias=True)
@@ -487,7 +581,7 @@ def _feed_forward(r: _Reader, ff: Any, dim: Optional[int], gated_types: tuple, g
     return gated
 
 
-def _read_compvis(r: _Reader, skip_root_hooks: bool) -> Reading:
+def _read_compvis(r: _Reader, trust: Optional[str]) -> Reading:
     from . import blocks
 
     kids = r.kids
@@ -508,22 +602,28 @@ def _read_compvis(r: _Reader, skip_root_hooks: bool) -> Reading:
         context_dim = to_k.in_features
     for name in ("norm1", "norm2", "norm3"):
         r.layer_norm(kids[name], name, dim)
-    r.tree(rust_keys(bool(gated)), skip_root_hooks)
+    r.tree(rust_keys(bool(gated)))
     known = _known_classes()
-    unknown = tuple(sorted({type(m).__qualname__ for m in [r.root, *(m for k in CHILDREN for m in kids[k].modules())]
-                            if type(m) not in known}))
+    modules = [r.root, *(m for k in CHILDREN for m in kids[k].modules())]
+    strangers = [m for m in modules if type(m) not in known]
+    unknown = tuple(sorted({class_name(m) for m in strangers}))
+    if unknown and trust != "probe" and not r.reasons:  # refused already: the causes are named
+        r.no(f"its classes {', '.join(unknown)} are not ones this crate knows, so nothing can watch what their "
+             "forward reads; pass trust='probe' to accept it after a probe (see RustBlock.from_torch)")
+    for m in strangers:  # what their forward may read: a change reads the block again, and probes it again
+        r.w.state(m)
     spec = None
     if None not in (dim, heads, d_head, gated):
         spec = BlockSpec(dim, heads, d_head, context_dim, bool(gated), attention)
     return r.result(spec, unknown)
 
 
-def _read_diffusers(r: _Reader, block: nn.Module, skip_root_hooks: bool) -> Reading:
+def _read_diffusers(r: _Reader, block: nn.Module) -> Reading:
     attention_mod, processor_mod, activations_mod = _diffusers_modules()
     if not isinstance(block, attention_mod.BasicTransformerBlock):
         raise _not_a_block(block, "a diffusers module that is not a BasicTransformerBlock")
     if type(block) is not attention_mod.BasicTransformerBlock:
-        r.no(f"it is a {type(block).__qualname__}, a subclass of BasicTransformerBlock whose forward may differ")
+        r.no(f"it is a {class_name(block)}, a subclass of BasicTransformerBlock whose forward may differ")
         return r.result(None)
     w = r.w
     norm_type = w.get(block, "norm_type")
@@ -549,7 +649,7 @@ def _read_diffusers(r: _Reader, block: nn.Module, skip_root_hooks: bool) -> Read
     attn1, attn2 = kids["attn1"], kids["attn2"]
     for name, attn in (("attn1", attn1), ("attn2", attn2)):
         if type(attn) is not processor_mod.Attention:
-            r.no(f"{name} is {type(attn).__name__}, not diffusers' Attention")
+            r.no(f"{name} is {class_name(attn)}, not diffusers' Attention")
     if r.reasons:
         return r.result(None)
     dim, heads, d_head = _heads_and_scale(r, attn1, attn2)
@@ -568,13 +668,13 @@ def _read_diffusers(r: _Reader, block: nn.Module, skip_root_hooks: bool) -> Read
     ff = kids["ff"]
     gated = None
     if type(ff) is not attention_mod.FeedForward:
-        r.no(f"ff is {type(ff).__name__}, not diffusers' FeedForward")
+        r.no(f"ff is {class_name(ff)}, not diffusers' FeedForward")
     else:
         gated = _feed_forward(r, ff, dim, (activations_mod.GEGLU,), (activations_mod.GELU,), duck=False)
     for name in ("norm1", "norm2", "norm3"):
         r.layer_norm(kids[name], name, dim)
     expected = tuple(k.replace("ff.net.0.0.", "ff.net.0.proj.") for k in rust_keys(bool(gated)))
-    r.tree(expected, skip_root_hooks)
+    r.tree(expected)
     context_dim = attn2.to_k.in_features if type(attn2._modules.get("to_k")) is nn.Linear else None
     spec = None
     if None not in (dim, heads, d_head, gated):
@@ -587,7 +687,7 @@ def _diffusers_attention(r: _Reader, attn: Any, name: str, processor_mod) -> Non
     processor = w.get(attn, "processor")
     supported = tuple(getattr(processor_mod, n) for n in SUPPORTED_PROCESSORS)
     if type(processor) not in supported:
-        r.no(f"{name} uses attention processor {type(processor).__name__}; only {', '.join(SUPPORTED_PROCESSORS)} "
+        r.no(f"{name} uses attention processor {class_name(processor)}; only {', '.join(SUPPORTED_PROCESSORS)} "
              "are supported")
     if w.get(attn, "fused_projections"):
         r.no(f"{name} has fused QKV projections (fuse_qkv_projections)")
@@ -611,12 +711,15 @@ def _diffusers_attention(r: _Reader, attn: Any, name: str, processor_mod) -> Non
 PROBE_BOUND = 1e-5  # the parity bar (README): ||a - b|| / ||b||, fp32 and fp64
 
 
+def can_probe(weight: torch.Tensor) -> bool:
+    """Whether the probe can run on weights like ``weight``: not on the meta device (no values),
+    and only in fp32 or fp64 (where :data:`PROBE_BOUND` is the parity bar)."""
+    return weight.device.type != "meta" and weight.dtype in (torch.float32, torch.float64)
+
+
 def probe(block: nn.Module, rust_forward, spec: BlockSpec, weight: torch.Tensor) -> Optional[str]:
     """Runs ``block`` and the Rust block on one small seeded input and returns the reason they
-    differ (None: they agree within :data:`PROBE_BOUND`, or the probe cannot run: meta device,
-    a dtype other than fp32/fp64)."""
-    if weight.device.type == "meta" or weight.dtype not in (torch.float32, torch.float64):
-        return None
+    differ (None: they agree within :data:`PROBE_BOUND`). Only where :func:`can_probe`."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, spec.dim, generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
     c = torch.randn(2, 3, spec.context_dim or spec.dim, generator=g, dtype=torch.float64).to(weight.device, weight.dtype)

@@ -52,21 +52,25 @@ _IDS = itertools.count(1)
 
 def _facts(ws: Sequence[Tensor]) -> tuple:
     """What a Rust block bakes in about its weights: where they are (their storage), their
-    dtype and device. The Rust block holds the same TensorImpls as Python, so it sees anything
-    else (new values, an optimizer step) live. One dtype and device for all (the build checks
-    it); a single tensor moved or cast gets new storage while its old one is still alive, so
-    its address changes."""
+    shapes, dtype and device. The Rust block holds the same TensorImpls as Python, so it sees
+    anything else (new values, an optimizer step) live. One dtype and device for all (the build
+    checks it); a single tensor moved or cast gets new storage while its old one is still alive,
+    so its address changes."""
     if not ws:
-        return ((), None, None)
-    return (tuple(map(Tensor.data_ptr, ws)), ws[0].dtype, ws[0].device)
+        return ((), (), None, None)
+    return (tuple(map(Tensor.data_ptr, ws)), tuple(w.shape for w in ws), ws[0].dtype, ws[0].device)
 
 
 class Twin:
     """One ``RustBlock``'s Rust block and what it stands on: the weight tensors, their
     :func:`_facts` at the build, and the configuration. Registered under ``id`` (weakly) for
-    the custom ops. A copy (``copy.deepcopy``, pickling) is a new, empty twin."""
+    the custom ops. A copy (``copy.deepcopy``, pickling) is a new, empty twin.
 
-    __slots__ = ("id", "inner", "weights", "facts", "config", "__weakref__")
+    ``other`` is the block a custom-op call last built on other tensors than the eager one's
+    (a traced graph's inputs): kept apart, so that the eager path, which trusts ``inner`` to stand
+    on the module's parameters, never computes with them."""
+
+    __slots__ = ("id", "inner", "weights", "facts", "config", "other", "__weakref__")
 
     def __init__(self, inner: Any = None) -> None:
         self.id = next(_IDS)
@@ -74,6 +78,7 @@ class Twin:
         self.weights: Optional[Tuple[Tensor, ...]] = None
         self.facts: Optional[tuple] = None
         self.config: Optional[Config] = None
+        self.other: Optional["Twin"] = None
         _TWINS[self.id] = self
 
     def set(self, inner: Any, weights: Sequence[Tensor], config: Config) -> None:
@@ -91,6 +96,18 @@ class Twin:
         if facts != self.facts:
             return False
         return weights is ws or all(map(operator.is_, ws, weights)) or _facts(weights) == facts
+
+    def for_op(self, weights: Sequence[Tensor], config: Config) -> Any:
+        """The block a custom-op call on ``weights`` computes with: ``inner`` if it stands on them,
+        else the one kept in ``other``, rebuilt when it does not."""
+        if self.fresh(weights, config):
+            return self.inner
+        if self.other is None:
+            self.other = Twin.__new__(Twin)
+            self.other.weights = self.other.facts = self.other.config = self.other.other = None
+        if not self.other.fresh(weights, config):
+            self.other.set(build(weights, config), weights, config)
+        return self.other.inner
 
     def __deepcopy__(self, memo: dict) -> "Twin":
         return Twin()
@@ -111,12 +128,7 @@ def build(weights: Sequence[Tensor], config: Config) -> Any:
 
 def _inner_for(weights: Sequence[Tensor], config: Config, slot: int) -> Any:
     twin = _TWINS.get(slot)
-    if twin is not None and twin.fresh(weights, config):
-        return twin.inner
-    inner = build(weights, config)
-    if twin is not None:
-        twin.set(inner, weights, config)
-    return inner
+    return build(weights, config) if twin is None else twin.for_op(weights, config)
 
 
 @contextlib.contextmanager

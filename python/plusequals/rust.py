@@ -17,10 +17,12 @@ from torch import Tensor, nn
 
 from . import _rust, ops
 from .donated import DonatedTensor
-from .faithful import CHILDREN, BlockSpec, Reading, UnsupportedBlockError, probe, read_block
+from .faithful import CHILDREN, BlockSpec, Reading, UnsupportedBlockError, can_probe, probe, read_block
 
 
-def _check_tensor(name: str, t: object, optional: bool = False, device: Optional[torch.device] = None) -> None:
+def _check_tensor(name: str, t: object, optional: bool = False) -> None:
+    """What Python checks of an argument before choosing a path: a tensor, not a donated one.
+    Rust checks the rest (layout, shape, dtype, device, named as torch names them)."""
     if optional and t is None:
         return
     if not isinstance(t, Tensor):
@@ -30,11 +32,6 @@ def _check_tensor(name: str, t: object, optional: bool = False, device: Optional
             f"{name} is a donated tensor: it was moved into RustBlock.forward_owned(..., donate=True); "
             "use the tensor that call returned, or pass donate=False to keep the input"
         )
-    _check_layout(name, t)
-    # libtorch's device is checked here, by name: tch reports every device other than CPU, CUDA
-    # and Vulkan (meta, xpu, ...) as "Mps", which makes the Rust-side message wrong.
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the block's weights are on {device}")
 
 
 def _check_layout(name: str, t: Tensor) -> None:
@@ -82,7 +79,8 @@ class RustBlock(nn.Module):
         self._source_kids: Dict[str, Any] = {}
         self._paths: Tuple[str, ...] = ()  # the weights as attribute paths (traced calls)
         self._guards: List[tuple] = []  # what a traced call compares (torch.compile guards on it)
-        self._probe_pending = False
+        self._trust: Optional[str] = None  # from_torch(trust=...): see there
+        self._probe_pending = False  # unknown classes not yet probed in the current state
 
     @property
     def _block(self) -> Any:
@@ -92,16 +90,28 @@ class RustBlock(nn.Module):
     # -- construction ----------------------------------------------------------------------------
 
     @classmethod
-    def from_torch(cls, block: nn.Module) -> "RustBlock":
+    def from_torch(cls, block: nn.Module, *, trust: Optional[str] = None) -> "RustBlock":
         """Takes over ``block``'s submodules and parameters (no copies) and follows them: an
-        optimizer step, ``load_state_dict`` (also with ``assign=True``), ``.to()``, ``.half()``
-        or a replaced parameter on ``block`` is seen here, and gradients of ``forward`` reach
-        ``block``'s parameters. Refuses, with a ``ValueError`` naming the cause, a block the
-        Rust block cannot reproduce exactly (:mod:`plusequals.faithful`)."""
-        reading = read_block(block)
+        optimizer step, ``load_state_dict`` (also with ``assign=True``), ``.to()``, ``.half()``,
+        a replaced parameter or submodule, a changed class, a grown ``Sequential`` or a new hook
+        on ``block`` is seen here, and gradients of ``forward`` reach ``block``'s parameters.
+        Refuses, with a ``ValueError`` naming the cause, a block the Rust block cannot reproduce
+        exactly (:mod:`plusequals.faithful`).
+
+        ``trust``: a block whose classes this crate does not know (an independent CompVis
+        implementation, a subclass) is refused by default, because nothing can watch what their
+        ``forward`` reads. ``trust="probe"`` accepts it when its output agrees with the Rust
+        block's on a probe input, and probes it again whenever its dtype, device or the instance
+        state of those classes changes (every value on the instance, by identity). What that gives
+        up: a change the watch cannot see (a value mutated inside a list or dict the forward
+        reads, a class attribute, a global) is not followed; and on the meta device or in a dtype
+        other than fp32/fp64 the probe cannot run, so the block runs as last probed (or, built
+        there, unprobed until it moves to one where the probe can run)."""
+        reading = read_block(block, trust=trust)
         if reading.reasons:
             raise ValueError(f"{cls.__name__}.from_torch cannot reproduce this block exactly: {'; '.join(reading.reasons)}")
         rb = cls()
+        rb._trust = trust
         rb._adopt(block, error=ValueError)
         return rb
 
@@ -125,7 +135,11 @@ class RustBlock(nn.Module):
         gated_ff: bool = True,
         attention: str = "sdpa",
     ) -> "RustBlock":
-        """Builds the block from CompVis keys; missing, extra or mis-shaped keys raise ``ValueError``."""
+        """Builds the block from CompVis keys; missing, extra or mis-shaped keys raise ``ValueError``.
+
+        It follows the tensors ``weights`` holds now, not the mapping: writes into them are seen
+        (in place, or ``.data =`` of another dtype or device, which rebuilds); rebinding a key of
+        the mapping afterwards is not. Build it again to take new tensors."""
         inner, device = _validated_inner(weights, cls.LANGUAGE, dim=dim, n_heads=n_heads, d_head=d_head,
                                          context_dim=context_dim, gated_ff=gated_ff, attention=attention)
         rb = cls(inner, device)
@@ -155,7 +169,7 @@ class RustBlock(nn.Module):
             if now is not self._source_kids.get(name):
                 self._modules[name] = now
         self._source_kids = {name: source._modules.get(name) for name in CHILDREN}
-        reading = read_block(source, {name: self._modules.get(name) for name in CHILDREN}, owner=self)
+        reading = read_block(source, {name: self._modules.get(name) for name in CHILDREN}, owner=self, trust=self._trust)
         if reading.reasons:
             self._reading = None
             raise error(
@@ -185,7 +199,8 @@ class RustBlock(nn.Module):
             spec = self._spec
             inner, self._device = _validated_inner(dict(zip(spec.keys, weights)), self.LANGUAGE, **spec.config())
             self._twin.set(inner, weights, self._config)
-        if self._probe_pending:
+            self._probe_pending = bool(self._reading and self._reading.unknown)  # a new dtype or device: again
+        if self._probe_pending and can_probe(weights[0]):
             reason = probe(self._source, self._twin.inner.forward, self._spec, weights[0])
             if reason:
                 classes = ", ".join(self._reading.unknown)
@@ -221,25 +236,45 @@ class RustBlock(nn.Module):
 
     def _op_args(self, x: Tensor, context: Optional[Tensor]) -> tuple:
         weights = self._traced_weights()
-        device = weights[0].device
-        _check_tensor("x", x, device=device)
-        _check_tensor("context", context, optional=True, device=device)
+        for name, t in (("x", x), ("context", context)):  # the fake implementations see no device
+            if isinstance(t, Tensor) and t.device != weights[0].device:
+                raise ValueError(f"{name} is on {t.device} but the block's weights are on {weights[0].device}")
         dim, n_heads, d_head, context_dim, gated_ff, attention, language = self._config
         return (x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language, self._slot,
                 _autocast_dtype(x))
 
     # -- the entry points -----------------------------------------------------------------------
 
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Calls the Rust block's ``method``. Made from a module, it passes the watch of its last
+        reading, which Rust compares first (``plusequals._rust.Watch``: one pass, no Python
+        loop). ``StaleBlock`` (the module changed, or a weight's metadata did) runs the full check
+        (:meth:`_ensure_current`: read again, rebuild, probe, or refuse) and calls once more."""
+        reading = self._reading
+        if reading is None and self._source is not None:
+            self._ensure_current()  # never read (a copy), or refused last time: the full check
+            reading = self._reading
+        if reading is not None:
+            kwargs["watch"] = reading.watch.rust
+        try:
+            return getattr(self._twin.inner, method)(*args, **kwargs)
+        except _rust.StaleBlock:
+            if self._weights is None:
+                raise
+        self._ensure_current()
+        if self._reading is not None:
+            kwargs["watch"] = self._reading.watch.rust
+        return getattr(self._twin.inner, method)(*args, **kwargs)
+
     def forward(self, x: Tensor, context: Optional[Tensor] = None) -> Tensor:
         """``x = op(norm(x)) + x`` three times, in Rust; ``x`` is only read."""
         if torch.compiler.is_compiling() or _symbolic(x, context):
             return ops.block_forward(*self._op_args(x, context))
-        self._ensure_current()
-        _check_tensor("x", x, device=self._device)
-        _check_tensor("context", context, optional=True, device=self._device)
+        _check_tensor("x", x)
+        _check_tensor("context", context, optional=True)
         if _seen_by_python(x, context, dispatch_modes=False):
             return ops.block_forward(*self._op_args(x, context))
-        return _run_under_saved_tensor_hooks(self._twin.inner.forward, x, context)
+        return _run_under_saved_tensor_hooks(self._call, "forward", x, context)
 
     def forward_owned(self, x: Tensor, context: Optional[Tensor] = None, donate: bool = False) -> Tensor:
         """``x += op(norm(x))`` three times, in Rust, with grad mode off.
@@ -252,11 +287,8 @@ class RustBlock(nn.Module):
         if not isinstance(donate, bool):
             raise TypeError(f"donate must be a bool, got {type(donate).__name__} {donate!r}")
         traced = torch.compiler.is_compiling() or _symbolic(x, context)
-        if not traced:
-            self._ensure_current()
-        device = None if traced else self._device
-        _check_tensor("x", x, device=device)
-        _check_tensor("context", context, optional=True, device=device)
+        _check_tensor("x", x)
+        _check_tensor("context", context, optional=True)
         if torch.is_grad_enabled():
             for name, t in (("x", x), ("context", context)):
                 if t is not None and t.requires_grad:
@@ -284,7 +316,7 @@ class RustBlock(nn.Module):
             # __torch_dispatch__ would apply it once per inner tensor, into one x).
             with torch.no_grad():
                 return ops.block_forward(*self._op_args(x, context))
-        return self._twin.inner.forward_owned(x, context, donate=False)
+        return self._call("forward_owned", x, context, donate=False)
 
     def _donate(self, x: Tensor, context: Optional[Tensor]) -> Tensor:
         """``forward_owned(x, donate=True)``: what only Python can see is refused here (modes,
@@ -294,7 +326,7 @@ class RustBlock(nn.Module):
         if reason:
             raise ValueError(f"{reason}; nothing was donated: x is unchanged and usable (donate=False works on a copy)")
         cls = type(x)
-        y = self._twin.inner.forward_owned(x, context, donate=True)
+        y = self._call("forward_owned", x, context, donate=True)
         if cls is Tensor or _func(cls.__torch_function__) is not _TENSOR_TF:
             return y
         # Tensor's __torch_function__ converts results to the subclass: so does the donation,
@@ -307,10 +339,9 @@ class RustBlock(nn.Module):
             raise TypeError(f"n must be an int, got {type(n).__name__}")
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        self._ensure_current()
-        _check_tensor("x", x, device=self._device)
-        _check_tensor("context", context, optional=True, device=self._device)
-        return self._twin.inner.forward_loop(x, context, n=n, owned=owned)
+        _check_tensor("x", x)
+        _check_tensor("context", context, optional=True)
+        return self._call("forward_loop", x, context, n=n, owned=owned)
 
     def extra_repr(self) -> str:
         spec = self._spec
