@@ -1,4 +1,4 @@
-// The libtorch C++ twin: read it line for line against python/plusequals/blocks.py and
+// The libtorch C++ twin: read it line for line against python/plusequals/model/blocks.py and
 // rust/block.rs.
 #include "block.h"
 

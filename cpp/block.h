@@ -1,4 +1,4 @@
-// The libtorch C++ twin of python/plusequals/blocks.py and rust/block.rs: CompVis
+// The libtorch C++ twin of python/plusequals/model/blocks.py and rust/block.rs: CompVis
 // `BasicTransformerBlock` (SD v1), same modules, same field names, same order of operations,
 // weights taken by their PyTorch state_dict keys.
 //

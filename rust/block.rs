@@ -1,4 +1,4 @@
-//! The tch twin of `python/plusequals/blocks.py`: CompVis `BasicTransformerBlock` (SD v1).
+//! The tch twin of `python/plusequals/model/blocks.py`: CompVis `BasicTransformerBlock` (SD v1).
 //!
 //! Same modules, same field names, same order of operations, weights taken by their PyTorch
 //! state_dict keys. Every libtorch call goes through tch's fallible `f_` form and `?`, so a bad

@@ -240,7 +240,7 @@ impl Twins {
 ///   `TensorImpl`'s storage in place. Done while a kernel reads the weight, it is the same data
 ///   race as in eager PyTorch, where the old storage may be freed under the kernel. Between
 ///   calls it is safe: `RustBlock` sees the changed data pointer, dtype or device on its next
-///   call and rebuilds (python/plusequals/faithful.py).
+///   call and rebuilds (python/plusequals/twin/faithful.py).
 struct SharedBlock(Twins);
 unsafe impl Sync for SharedBlock {}
 
@@ -473,7 +473,7 @@ fn python_weakrefs(py: Python<'_>, obj: PyObjectPtr) -> i64 {
 fn donated_class<'py>(py: Python<'py>, x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     static DONATED_CLASS: GILOnceCell<PyObject> = GILOnceCell::new();
     let f = DONATED_CLASS
-        .get_or_try_init(py, || py.import("plusequals.donated")?.getattr("donated_class").map(Bound::unbind))?;
+        .get_or_try_init(py, || py.import("plusequals.twin.donated")?.getattr("donated_class").map(Bound::unbind))?;
     f.bind(py).call1((x.get_type(),))
 }
 

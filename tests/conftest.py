@@ -10,7 +10,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))  # compvis_reference
 
 from plusequals import BasicTransformerBlock, RustBlock  # noqa: E402
-from plusequals.blocks import randomize_  # noqa: E402,F401  (tests import it from here)
+from plusequals.model.blocks import randomize_  # noqa: E402,F401  (tests import it from here)
 
 # SD v1 block shapes (tokens, dim, heads, head dim; context 77 x 768) scaled down for 2 CPU cores:
 # widths / 4, tokens / 16, same head count, same tokens-per-width ordering.

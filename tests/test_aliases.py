@@ -1,7 +1,7 @@
 """The alias routes at the Python boundary: every way to reach ``x``'s memory through a second
 name, what PyTorch does with it (the seed's ``+=``), and what a donation to Rust does.
 
-For each route there are three columns (``plusequals.aliases.PY_ROUTES``):
+For each route there are three columns (``plusequals.twin.aliases.PY_ROUTES``):
 
 * PyTorch: the ``iadd`` block on ``x`` writes through the second name, silently.
 * ``RustBlock.forward_owned(x, donate=True)``: refused with ``ValueError`` naming ``x`` or
@@ -22,7 +22,8 @@ import pytest
 import torch
 from boundary_helpers import _raw_block, assert_matches, same_bits, small_block, small_inputs
 
-from plusequals import DonatedTensor, RustBlock, aliases
+from plusequals import DonatedTensor, RustBlock
+from plusequals.twin import aliases
 
 
 @pytest.mark.parametrize("route", aliases.PY_ROUTES, ids=lambda r: r.name)
@@ -190,6 +191,6 @@ def catalogue_rows_in_readme():
 
 
 def test_the_readme_catalogue_is_the_table_the_demo_runs():
-    """README.md's catalogue says only what plusequals.aliases.TABLE (run live by the demo, its
+    """README.md's catalogue says only what plusequals.twin.aliases.TABLE (run live by the demo, its
     outcomes checked by tests/test_demo.py) says, row for row."""
     assert catalogue_rows_in_readme() == [row.readme for row in aliases.TABLE]

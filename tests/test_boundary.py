@@ -832,7 +832,7 @@ def leak_main() -> dict:
 
     import psutil
 
-    from plusequals import ops
+    from plusequals.twin import ops
 
     torch.set_num_threads(1)
     block = small_block()

@@ -4,7 +4,8 @@ import pytest
 import torch
 from conftest import make_inputs
 
-from plusequals import STRATEGIES, RustBlock, bugs
+from plusequals import STRATEGIES, RustBlock
+from plusequals.model import bugs
 
 SAFE_FOR_CALLER = {"op_plus_x", "x_plus_op", "first_out_of_place", "preallocated"}
 

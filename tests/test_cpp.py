@@ -10,8 +10,9 @@ import pytest
 import torch
 from conftest import make_block, make_inputs, rel_err
 
-from plusequals import CppBlock, DonatedTensor, RustBlock, _rust, aliases
-from plusequals.demo import read_cases
+from plusequals import CppBlock, DonatedTensor, RustBlock, _rust
+from plusequals.twin import aliases
+from plusequals.cli.demo import read_cases
 
 TOL = 1e-5
 

@@ -29,7 +29,8 @@ from boundary_helpers import CTX, D_HEAD, DIM, HEADS, small_block, small_inputs
 from conftest import make_block, make_inputs, rel_err
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from plusequals import CppBlock, RustBlock, UnsupportedBlockError, ops
+from plusequals import CppBlock, RustBlock, UnsupportedBlockError
+from plusequals.twin import ops
 
 
 @pytest.fixture(autouse=True)

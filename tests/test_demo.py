@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from plusequals import demo
+from plusequals.cli import demo
 
 
 def test_demo_exits_zero_and_shows_every_case():
@@ -19,7 +19,7 @@ def test_demo_exits_zero_and_shows_every_case():
 
 def test_demo_fails_when_an_expectation_fails(monkeypatch):
     """The demo's exit code can fail: flip one expectation and it must return 1."""
-    from plusequals import bugs
+    from plusequals.model import bugs
 
     flipped = dict(bugs.EXPECTED)
     flipped["op_plus_x"] = bugs.Expected(True, None, None)
@@ -34,7 +34,7 @@ def test_demo_reads_at_80_columns():
     from rich.cells import cell_len
     from rich.console import Console
 
-    from plusequals import aliases
+    from plusequals.twin import aliases
 
     console = Console(width=80, record=True, color_system=None)
     assert demo.run(skip_compile_fail=True, console=console) == 0
@@ -49,6 +49,6 @@ def test_demo_reads_at_80_columns():
 
 
 def bugs_strategies():
-    from plusequals.blocks import STRATEGIES
+    from plusequals.model.blocks import STRATEGIES
 
     return STRATEGIES

@@ -280,7 +280,7 @@ def test_unsupported_block_is_refused_and_nothing_swapped(diffusers, kind):
 def test_exact_gelu_feed_forward_is_swapped(diffusers):
     """activation_fn="gelu" (a linear layer and the exact GELU) is the Rust block's non-gated
     feed-forward: swapped, and equal to diffusers' block, like RustBlock.from_torch on a
-    CompVis block with gated_ff=False (the same definition: plusequals.faithful)."""
+    CompVis block with gated_ff=False (the same definition: plusequals.twin.faithful)."""
     unet = make_unet(diffusers)
     planted = plant_block(diffusers, unet, activation_fn="gelu")
     randomize_(planted.eval(), seed=9)

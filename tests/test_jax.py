@@ -19,7 +19,7 @@ jax = pytest.importorskip("jax", reason="the compilers extra is not installed: p
 jnp = jax.numpy
 
 from plusequals import bench, compilers  # noqa: E402
-from plusequals import jax_block as jb  # noqa: E402
+from plusequals.model import jax_block as jb  # noqa: E402
 
 TOL = 1e-5
 

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from plusequals.demo import REPO, cargo_env
+from plusequals.cli.demo import REPO, cargo_env
 
 
 def test_clippy_toml_lists_every_write_through_shared_method_of_tch():

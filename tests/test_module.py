@@ -1,10 +1,10 @@
-"""RustBlock as a torch module: faithful or refused (one definition, plusequals.faithful), and
+"""RustBlock as a torch module: faithful or refused (one definition, plusequals.twin.faithful), and
 never stale (one mechanism, RustBlock._ensure_current, for from_torch and the swap).
 
 1. Faithful or refused. Every block the Rust block cannot reproduce is refused by
    ``RustBlock.from_torch`` with a ``ValueError`` naming the cause, and each refused case is
    shown to matter: the Rust block on the same weights would compute something else. Where
-   Python and Rust run the same ops in the same order (CPU fp32, ``plusequals.blocks`` and
+   Python and Rust run the same ops in the same order (CPU fp32, ``plusequals.model.blocks`` and
    diffusers' default processor), outputs and gradients are bitwise equal (``torch.equal``).
    An independent CompVis implementation (another formulation of attention) is held to the
    documented bound, ||a-b||/||b|| <= 1e-5.
@@ -27,7 +27,7 @@ from torch import nn
 
 import compvis_reference
 from plusequals import BasicTransformerBlock, CppBlock, RustBlock, UnsupportedBlockError
-from plusequals.faithful import read_block
+from plusequals.twin.faithful import read_block
 
 TOL = 1e-5  # the documented bound where the ops differ (README)
 
@@ -219,7 +219,7 @@ def test_independent_compvis_implementation_within_the_bound():
 
 def test_one_definition_for_from_torch_and_the_swap():
     """RustBlock.from_torch takes a diffusers block too, and refuses exactly what the swap
-    refuses, with the same reasons: both ask plusequals.faithful.read_block."""
+    refuses, with the same reasons: both ask plusequals.twin.faithful.read_block."""
     diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
     from diffusers.models.attention import BasicTransformerBlock as DiffusersBlock
 

@@ -17,7 +17,7 @@ ort = pytest.importorskip("onnxruntime", reason="the compilers extra is not inst
 pytest.importorskip("onnxscript", reason="the compilers extra is not installed: pip install 'plusequals[compilers]'")
 
 from plusequals import bench, compilers  # noqa: E402
-from plusequals import onnx_block as ob  # noqa: E402
+from plusequals.model import onnx_block as ob  # noqa: E402
 
 TOL = 1e-5
 

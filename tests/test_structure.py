@@ -4,7 +4,7 @@ Rust side read it, are followed or refused, for ``RustBlock``, ``CppBlock`` and 
 Each case shows first that the change matters (the PyTorch block's output moves), then that the
 Rust side follows it (equal to the changed PyTorch block) or raises ``UnsupportedBlockError``
 naming it, and that undoing the change makes it work again. What each call compares, and what it
-costs, is ``plusequals.faithful.Watch``.
+costs, is ``plusequals.twin.faithful.Watch``.
 """
 
 from __future__ import annotations

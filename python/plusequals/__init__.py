@@ -6,10 +6,10 @@ needs torch's Python classes registered.
 
 import torch  # noqa: F401  (must precede the extension)
 
-from .blocks import STRATEGIES, BasicTransformerBlock, CrossAttention, FeedForward, GEGLU
-from . import aliases
-from .rust import CppBlock, DonatedTensor, RustBlock
-from .swap import (  # imports diffusers only when called: diffusers stays optional
+from .model.blocks import STRATEGIES, BasicTransformerBlock, CrossAttention, FeedForward, GEGLU
+from .twin import aliases
+from .twin.block import CppBlock, DonatedTensor, RustBlock
+from .twin.swap import (  # imports diffusers only when called: diffusers stays optional
     RustTransformerBlock,
     SwapHandle,
     UnsupportedBlockError,

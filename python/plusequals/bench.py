@@ -31,8 +31,8 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 import torch
 from torch.utils import benchmark
 
-from .blocks import STRATEGIES, BasicTransformerBlock, randomize_
-from .rust import CppBlock, RustBlock
+from .model.blocks import STRATEGIES, BasicTransformerBlock, randomize_
+from .twin.block import CppBlock, RustBlock
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ Peak memory here is what a call needs beyond its inputs and weights, as each run
 * JAX: XLA's plan for the compiled program, ``temp + output - alias`` bytes from
   ``Compiled.memory_analysis()`` (any backend; a plan, not a measurement of the allocator).
 * ONNX Runtime: the CPU arena's peak bytes in use during one run above what was in use before it,
-  from ORT's profiler (:func:`plusequals.onnx_block.memory_profile`).
+  from ORT's profiler (:func:`plusequals.model.onnx_block.memory_profile`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _jax_block():
     # JAX grabs 75% of a GPU at start-up unless told not to; the report shares the GPU with torch.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     try:
-        return importlib.import_module("plusequals.jax_block")
+        return importlib.import_module("plusequals.model.jax_block")
     except ImportError as e:
         raise ImportError(f"the JAX variants need jax and jaxlib: {EXTRA} ({e})") from e
 
@@ -54,7 +54,7 @@ def _onnx_block():
     try:
         importlib.import_module("onnx")
         importlib.import_module("onnxscript")
-        return importlib.import_module("plusequals.onnx_block")
+        return importlib.import_module("plusequals.model.onnx_block")
     except ImportError as e:
         raise ImportError(f"the ONNX Runtime variant needs onnx, onnxscript and onnxruntime: {EXTRA} ({e})") from e
 
@@ -385,7 +385,7 @@ def jax_ownership(shape: Optional[bench.Shape] = None, batch: int = 2, context: 
     import jax.numpy as jnp
     import numpy as np
 
-    from .blocks import BasicTransformerBlock, randomize_
+    from .model.blocks import BasicTransformerBlock, randomize_
 
     shape = shape or bench.Shape(256, 80, 8, 10, 1)
     dev = jax.devices("cpu")[0]

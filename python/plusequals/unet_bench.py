@@ -46,7 +46,7 @@ def measure(
         from diffusers.models.attention import BasicTransformerBlock as DiffusersBlock
     except ImportError as e:
         return {"skipped": f"diffusers is not installed ({e}); `pip install plusequals[diffusers]`"}
-    from .swap import sd_v1_unet_config, swap_transformer_blocks
+    from .twin.swap import sd_v1_unet_config, swap_transformer_blocks
 
     small = quick
     config = small_unet_config() if small else sd_v1_unet_config()

@@ -17,11 +17,11 @@ from typing import Optional
 import torch
 from rich.console import Console
 
-from . import bugs
-from .blocks import STRATEGIES
+from ..model import bugs
+from ..model.blocks import STRATEGIES
 from .terminal import Rows
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 UI = REPO / "tests" / "ui"
 
 
@@ -142,7 +142,7 @@ def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> i
     else:
         cases = read_cases()
         found = check_cases(cases, console)
-        from . import _rust
+        from .. import _rust
 
         cpp = {name: (happened, what) for name, happened, what in _rust.cpp_gallery()}
         t = Rows("case (tests/ui/)", "PyTorch bug it mirrors", "expected", "rustc said", "fixed twin", "C++ (cpp/gallery.cpp)", "check")
@@ -179,11 +179,11 @@ def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> i
 
 
 def _alias_routes(console: Console, verdict) -> None:
-    from . import aliases
+    from ..twin import aliases
 
     console.print(
         "Each way to reach x's memory through a second name. Run time: what `forward_owned` / `add_in_place` / a "
-        "donation did just now (rust/aliases.rs, plusequals.aliases).\n"
+        "donation did just now (rust/aliases.rs, plusequals.twin.aliases).\n"
     )
     t = Rows("route", "PyTorch `+=`", "rustc", "run time (now)", "check")
     for stated, row in zip(aliases.TABLE, aliases.table_rows()):
@@ -194,7 +194,7 @@ def _alias_routes(console: Console, verdict) -> None:
 
 
 def _runtime_mirror(console: Console, verdict) -> None:
-    from .rust import RustBlock
+    from ..twin.block import RustBlock
 
     block = bugs.small_block()
     rust = RustBlock.from_torch(block)

@@ -1,10 +1,10 @@
 """``RustBlock``: the Python face of the Rust twin (``rust/block.rs``, built as ``plusequals._rust``),
 as a ``torch.nn.Module``.
 
-What a block must be for the Rust block to reproduce it is :mod:`plusequals.faithful` (shared with
+What a block must be for the Rust block to reproduce it is :mod:`plusequals.twin.faithful` (shared with
 the diffusers swap); how a RustBlock made from a module stays on that module's current weights
 is :meth:`RustBlock._ensure_current` (shared with the swap's replacement, a subclass); what
-``torch.compile``, ``torch.export`` and FakeTensor see is :mod:`plusequals.ops`.
+``torch.compile``, ``torch.export`` and FakeTensor see is :mod:`plusequals.twin.ops`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from . import _rust, ops
+from .. import _rust
+from . import ops
 from .donated import DonatedTensor
 from .faithful import CHILDREN, BlockSpec, Reading, UnsupportedBlockError, can_probe, probe, read_block
 
@@ -52,7 +53,7 @@ class RustBlock(nn.Module):
     Made with :meth:`from_torch`, it takes over the PyTorch block's submodules (``norm1``,
     ``attn1``, ..., the same objects: no copies), so its ``parameters()`` and ``state_dict()``
     are the block's, under the CompVis keys, and it follows them: every call checks that what
-    :func:`plusequals.faithful.read_block` read is still there (submodules, parameters,
+    :func:`plusequals.twin.faithful.read_block` read is still there (submodules, parameters,
     ``eps``, dropout, processors, hooks) and that the parameters' storage, dtype and device are
     the ones its Rust block was built on; otherwise it reads the block again, rebuilds, or
     raises :class:`UnsupportedBlockError` naming the cause. It never computes with old weights.
@@ -60,7 +61,7 @@ class RustBlock(nn.Module):
     if their storage, dtype or device change).
 
     Under ``torch.compile``, ``torch.export`` or FakeTensor, it calls the custom ops of
-    :mod:`plusequals.ops`, which take the weights as arguments.
+    :mod:`plusequals.twin.ops`, which take the weights as arguments.
     """
 
     LANGUAGE = "rust"  # which twin computes: rust/block.rs, or cpp/block.cpp (CppBlock)
@@ -96,7 +97,7 @@ class RustBlock(nn.Module):
         a replaced parameter or submodule, a changed class, a grown ``Sequential`` or a new hook
         on ``block`` is seen here, and gradients of ``forward`` reach ``block``'s parameters.
         Refuses, with a ``ValueError`` naming the cause, a block the Rust block cannot reproduce
-        exactly (:mod:`plusequals.faithful`).
+        exactly (:mod:`plusequals.twin.faithful`).
 
         ``trust``: a block whose classes this crate does not know (an independent CompVis
         implementation, a subclass) is refused by default, because nothing can watch what their
@@ -174,7 +175,7 @@ class RustBlock(nn.Module):
             self._reading = None
             raise error(
                 f"{self._where()}: the Rust block cannot reproduce this block exactly: {'; '.join(reading.reasons)}. "
-                "It computes the SD v1 block (see plusequals.faithful) and calls no submodule."
+                "It computes the SD v1 block (see plusequals.twin.faithful) and calls no submodule."
             )
         self._set_spec(reading.spec)
         self._paths = reading.paths

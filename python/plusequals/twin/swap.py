@@ -17,7 +17,7 @@ rebuilds its Rust twin whenever the parameters it was built on change identity, 
 or device (``.to()``, ``.half()``, ``load_state_dict(assign=True)``), and refuses to run once
 something it cannot honour appears (a non-default attention processor, PEFT/LoRA layers
 injected into the projections, ...): the same mechanism as ``RustBlock.from_torch``. What
-counts as "the SD v1 kind" is :mod:`plusequals.faithful`, shared with ``RustBlock.from_torch``.
+counts as "the SD v1 kind" is :mod:`plusequals.twin.faithful`, shared with ``RustBlock.from_torch``.
 
 diffusers is optional: this module imports it only when a function needs it.
 """
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .faithful import SUPPORTED_PROCESSORS, UnsupportedBlockError, read_block, rust_keys
-from .rust import RustBlock
+from .block import RustBlock
 
 __all__ = [
     "RustTransformerBlock",
@@ -241,7 +241,7 @@ def swap_transformer_blocks(model: nn.Module, *, owned: bool = False) -> SwapHan
         raise ValueError(f"{type(model).__name__} contains no diffusers BasicTransformerBlock to swap{hint}")
 
     # 1. Check every block and build every Rust twin; nothing is replaced yet. The check is
-    # plusequals.faithful.read_block, the same definition RustBlock.from_torch uses.
+    # plusequals.twin.faithful.read_block, the same definition RustBlock.from_torch uses.
     refusals: List[str] = []
     n_bad = 0
     built: Dict[int, RustTransformerBlock] = {}
@@ -261,7 +261,7 @@ def swap_transformer_blocks(model: nn.Module, *, owned: bool = False) -> SwapHan
     if refusals:
         raise UnsupportedBlockError(
             f"swap_transformer_blocks refused {n_bad} of {len(sites)} BasicTransformerBlock(s); nothing was swapped. "
-            "Only what the Rust block reproduces exactly is supported (plusequals.faithful: LayerNorm norms, bias-free "
+            "Only what the Rust block reproduces exactly is supported (plusequals.twin.faithful: LayerNorm norms, bias-free "
             "q/k/v, a GEGLU or exact-GELU feed-forward, the default attention processor, no active dropout, masks, "
             "ada-norm, positional embeddings or hooks):\n" + "\n".join(refusals)
         )

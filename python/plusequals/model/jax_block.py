@@ -31,7 +31,7 @@ try:
     import jax.numpy as jnp
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "plusequals.jax_block needs JAX: install the optional extra, pip install 'plusequals[compilers]' "
+        "plusequals.model.jax_block needs JAX: install the optional extra, pip install 'plusequals[compilers]' "
         "(or pip install 'jax>=0.10.2,<0.12')"
     ) from e
 

@@ -12,7 +12,7 @@ and FakeTensor see of a ``RustBlock``.
   differentiating ``RustBlock.forward`` directly), then returns the gradients asked for. One
   forward more per backward is the price of an op that is opaque to the compiler.
 
-The weights are arguments (a ``Tensor[]`` in :func:`plusequals.faithful.rust_keys` order), so a
+The weights are arguments (a ``Tensor[]`` in :func:`plusequals.twin.faithful.rust_keys` order), so a
 traced graph always passes the weights the module holds *now*; ``slot`` names the :class:`Twin`
 of the ``RustBlock`` that made the call, whose Rust block is reused while it still stands on
 exactly those tensors (:meth:`Twin.fresh`) and rebuilt otherwise. An unknown or dead slot
@@ -118,7 +118,7 @@ class Twin:
 
 def build(weights: Sequence[Tensor], config: Config) -> Any:
     """A Rust (or C++) block on ``weights``, through ``RustBlock``'s own validation."""
-    from .rust import _validated_inner
+    from .block import _validated_inner
 
     dim, n_heads, d_head, context_dim, gated_ff, attention, language = config
     inner, _ = _validated_inner(dict(zip(rust_keys(gated_ff), weights)), language, dim=dim, n_heads=n_heads,

@@ -34,7 +34,7 @@ try:
     import onnxruntime as ort
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "plusequals.onnx_block needs onnx, onnxscript and onnxruntime: install the optional extra, "
+        "plusequals.model.onnx_block needs onnx, onnxscript and onnxruntime: install the optional extra, "
         "pip install 'plusequals[compilers]'"
     ) from e
 

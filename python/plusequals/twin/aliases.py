@@ -205,7 +205,7 @@ TABLE = [
 def rust_outcomes() -> dict:
     """Runs every Rust route now: name -> "refused (arg: reason); nothing written" or "written"
     (tch's own API)."""
-    from . import _rust
+    from .. import _rust
 
     return {name: outcome for name, outcome in _rust.alias_routes()}
 
@@ -213,8 +213,8 @@ def rust_outcomes() -> dict:
 def python_outcomes() -> dict:
     """Donates through every Python route now (``RustBlock.forward_owned(x, donate=True)``):
     name -> "refused (arg); nothing written", or what went wrong."""
-    from .blocks import BasicTransformerBlock, randomize_
-    from .rust import RustBlock
+    from ..model.blocks import BasicTransformerBlock, randomize_
+    from .block import RustBlock
 
     block = randomize_(BasicTransformerBlock(16, 2, 8, context_dim=12), 0).eval()
     rust = RustBlock.from_torch(block)

@@ -257,7 +257,7 @@ class Watch:
         return kinds
 
     def seal(self) -> "Watch":
-        from . import _rust
+        from .. import _rust
 
         self.lens = list(map(len, self.ldicts))
         same = list(zip(self.vdicts, self.vkeys, self.values)) + list(zip(self.tdicts, self.tkeys, self.tensors))
@@ -313,7 +313,7 @@ def _is_diffusers_block(block: Any) -> bool:
 
 
 def _known_classes() -> set:
-    from . import blocks
+    from ..model import blocks
 
     known = {nn.LayerNorm, nn.Linear, nn.Dropout, nn.GELU, nn.Sequential, nn.ModuleList,
              blocks.BasicTransformerBlock, blocks.CrossAttention, blocks.FeedForward, blocks.GEGLU}
@@ -471,7 +471,7 @@ def read_block(block: Any, kids: Optional[Dict[str, Any]] = None, *, owner: Opti
     Raises ``TypeError`` naming ``block`` when it is not a transformer block at all; every other
     problem is a reason in the returned :class:`Reading`.
     """
-    from .rust import RustBlock
+    from .block import RustBlock
 
     if isinstance(block, RustBlock):
         raise TypeError(f"block is a {type(block).__name__} already: pass the PyTorch block it was made from")
@@ -582,7 +582,7 @@ def _feed_forward(r: _Reader, ff: Any, dim: Optional[int], gated_types: tuple, g
 
 
 def _read_compvis(r: _Reader, trust: Optional[str]) -> Reading:
-    from . import blocks
+    from ..model import blocks
 
     kids = r.kids
     attn1, attn2, ff = kids["attn1"], kids["attn2"], kids["ff"]
