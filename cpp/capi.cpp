@@ -68,7 +68,7 @@ at::Tensor* pe_cpp_forward_owned(const BasicTransformerBlock* block, const at::T
 }
 
 // `n` forwards without leaving C++: `forward` on `x`, or `forward_owned` on a buffer refilled
-// from `x` each time (as rust/python.rs's forward_loop does).
+// from `x` each time (as rust/python/twins.rs's forward_loop does).
 at::Tensor* pe_cpp_forward_loop(const BasicTransformerBlock* block, const at::Tensor* x, const at::Tensor* context,
                                 int64_t n, int32_t owned, char* err, size_t len) {
   return guarded(err, len, [&] {

@@ -25,12 +25,21 @@ pub fn fail_next_at(step: Option<Step>) {
     ARMED.with(|armed| armed.set(step));
 }
 
+impl Step {
+    pub fn name(self) -> &'static str {
+        match self {
+            Step::BeforeFirstWrite => "BeforeFirstWrite",
+            Step::AfterFirstWrite => "AfterFirstWrite",
+        }
+    }
+}
+
 /// `Err` once, if this thread armed `step`.
 pub(crate) fn check(step: Step) -> Result<()> {
     ARMED.with(|armed| {
         if armed.get() == Some(step) {
             armed.set(None);
-            return Err(Error::Injected(step));
+            return Err(Error::Injected(step.name()));
         }
         Ok(())
     })

@@ -3,7 +3,7 @@
 # installed, but no Rust toolchain and no network (the project's H200 machine).
 #
 # How the extension travels: it is built HERE (Rust toolchain, network) as an abi3 wheel
-# (pyo3 feature abi3-py39: one .so for CPython >= 3.9, so the 3.11 build imports under 3.12).
+# (pyo3 feature abi3-py311: one .so for CPython >= 3.11, so the 3.11 build imports under 3.12).
 # The .so links libtorch by soname; `import plusequals` imports torch first, so the GPU
 # machine's own torch 2.11.0 (+cu130) libraries are the ones used. That machine already has
 # rich, hypothesis, psutil, pytest, numpy and matplotlib; diffusers (for the UNet step) and the

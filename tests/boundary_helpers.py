@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 
 import torch
-from conftest import make_block, rel_err
 
+from conftest import make_block, rel_err
 from plusequals import DonatedTensor, _rust
 
 TOL = 1e-5
@@ -93,8 +93,9 @@ def grad_context(mode: str):
 
 def _raw_block(**kw):
     block = small_block(**kw)
-    return block, _rust.Block(dict(block.named_parameters()), dim=DIM, n_heads=HEADS, d_head=D_HEAD,
-                              context_dim=block.context_dim)
+    return block, _rust.Block(
+        dict(block.named_parameters()), dim=DIM, n_heads=HEADS, d_head=D_HEAD, context_dim=block.context_dim
+    )
 
 
 def _raw_error(fn):

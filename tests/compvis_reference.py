@@ -2,7 +2,6 @@
 einops-style rearranges spelled out, used only to check that its state_dict loads into
 plusequals.BasicTransformerBlock with strict=True and computes the same function."""
 
-import torch
 import torch.nn.functional as F
 from torch import einsum, nn
 
@@ -74,7 +73,9 @@ class BasicTransformerBlock(nn.Module):
         super().__init__()
         self.attn1 = CrossAttention(query_dim=dim, heads=n_heads, dim_head=d_head, dropout=dropout)
         self.ff = FeedForward(dim, dropout=dropout, glu=gated_ff)
-        self.attn2 = CrossAttention(query_dim=dim, context_dim=context_dim, heads=n_heads, dim_head=d_head, dropout=dropout)
+        self.attn2 = CrossAttention(
+            query_dim=dim, context_dim=context_dim, heads=n_heads, dim_head=d_head, dropout=dropout
+        )
         self.norm1 = nn.LayerNorm(dim)
         self.norm2 = nn.LayerNorm(dim)
         self.norm3 = nn.LayerNorm(dim)

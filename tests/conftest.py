@@ -5,7 +5,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))  # compvis_reference
 

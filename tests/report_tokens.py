@@ -1,7 +1,7 @@
 """The numbers a results.json can justify, as the report formats them (shared by
 test_report.py and test_readme.py)."""
 
-from plusequals.report import NUMBER, fmt
+from plusequals.bench.results import NUMBER, fmt
 
 
 def tokens(obj, out: set, us: bool = False) -> set:

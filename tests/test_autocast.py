@@ -5,8 +5,8 @@ is still refused. CUDA fp16/bf16 runs with the GPU checks (scripts/gpu_check.sh)
 
 import pytest
 import torch
-from conftest import cuda, make_block, make_inputs, rel_err
 
+from conftest import cuda, make_block, make_inputs, rel_err
 from plusequals import CppBlock, RustBlock
 
 # CPU bf16 autocast. The twins run the same ops in the same order as eager under the same
@@ -35,7 +35,9 @@ def test_a_dtype_autocast_did_not_produce_is_still_refused():
     block = make_block()
     x, c = make_inputs(tokens=16)
     rust = RustBlock.from_torch(block)
-    with pytest.raises(ValueError, match=r"^x dtype BFloat16 does not match the block's weights \(Float\), and autocast is off"):
+    with pytest.raises(
+        ValueError, match=r"^x dtype BFloat16 does not match the block's weights \(Float\), and autocast is off"
+    ):
         rust(x.bfloat16(), c)
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="^x dtype Half"):
         rust(x.half(), c)  # autocast makes bf16 here, not fp16
@@ -43,11 +45,11 @@ def test_a_dtype_autocast_did_not_produce_is_still_refused():
 
 def test_swapped_unet_runs_under_autocast_like_eager():
     diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
-    from test_diffusers import make_inputs as unet_inputs, make_unet
-
-    import diffusers.models.attention  # noqa: F401
+    import diffusers.models.attention  # noqa: F401,F811  (loads diffusers' lazy submodule)
 
     from plusequals import swap_transformer_blocks
+    from test_diffusers import make_inputs as unet_inputs
+    from test_diffusers import make_unet
 
     unet = make_unet(diffusers)
     sample, t, ehs = unet_inputs()

@@ -37,6 +37,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import compvis_reference
 from boundary_helpers import (
     CTX,
     D_HEAD,
@@ -55,13 +60,7 @@ from boundary_helpers import (
     unchanged,
 )
 from conftest import cuda, make_block, rel_err
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
-from torch import nn
-
-import compvis_reference
-from plusequals import BasicTransformerBlock, DonatedTensor, RustBlock
-from plusequals import _rust
+from plusequals import BasicTransformerBlock, DonatedTensor, OwnershipError, RustBlock, _rust
 
 FUZZ_CASES = 500
 ALLOWED = (TypeError, ValueError, RuntimeError)
@@ -89,6 +88,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*nested tensors is in prototype
 
 
 # ============================================================================ shared helpers: tests/boundary_helpers.py
+
 
 def attempt(fn, problems, label, refused="valid call refused"):
     """Runs one generated call. With problems it must raise the expected error (checked);
@@ -133,7 +133,7 @@ EXPECTED_TYPE = {
     "dtype": ValueError,
     "batch": ValueError,
     "missing": ValueError,
-    "donate": ValueError,
+    "donate": OwnershipError,
     "value": ValueError,
     "key": ValueError,
     "keytype": TypeError,
@@ -166,10 +166,32 @@ def donated_tensor() -> DonatedTensor:
 
 
 NON_TENSORS = ([[0.0] * DIM], 1.0, "x", np.zeros((2, 3, DIM), np.float32), object(), (1, 2, 3))
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.bool,
-          torch.complex64)
-OFFENSES = ("rank2", "rank4", "rank0", "width", "batch0", "tokens0", "dtype", "meta", "sparse", "mkldnn", "nested",
-            "nontensor", "donated", "batch")  # "batch": another batch than x's (context only)
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+)
+OFFENSES = (
+    "rank2",
+    "rank4",
+    "rank0",
+    "width",
+    "batch0",
+    "tokens0",
+    "dtype",
+    "meta",
+    "sparse",
+    "mkldnn",
+    "nested",
+    "nontensor",
+    "donated",
+    "batch",
+)  # "batch": another batch than x's (context only)
 LAYOUTS = ("contiguous", "contiguous", "transposed", "expanded", "sliced")
 SPECIALS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
@@ -269,8 +291,6 @@ def input_problems(t, role: str, block_kind: str, x_batch):
     return problems
 
 
-
-
 STATS: collections.Counter = collections.Counter()
 
 
@@ -308,7 +328,10 @@ def fuzz_call(spec, owned: bool) -> None:
     label = f"{'forward_owned' if owned else 'forward'}(donate={donate}, {mode}) on {kind}, problems={problems}"
     with grad_context(mode):
         got, err = attempt(
-            lambda: rust.forward_owned(x, c, donate=donate) if owned else rust.forward(x, c), problems, label, "valid input refused"
+            lambda: rust.forward_owned(x, c, donate=donate) if owned else rust.forward(x, c),
+            problems,
+            label,
+            "valid input refused",
         )
     for role, cat in problems:
         STATS[f"{role}:{cat}"] += 1
@@ -339,8 +362,15 @@ def sweep_every_offense(test):
     valid = dict(offense=None, arg=1, tokens=3, layout="contiguous", requires_grad=False, specials=[], seed=0)
     for role in ("x", "context"):
         for i, offense in enumerate(OFFENSES):
-            spec = dict(block=("cross", "self", "cross64")[i % 3], batch=2, x=dict(valid), context=dict(valid),
-                        context_none=False, grad_mode=("grad", "no_grad", "inference")[i % 3], donate=bool(i % 2))
+            spec = dict(
+                block=("cross", "self", "cross64")[i % 3],
+                batch=2,
+                x=dict(valid),
+                context=dict(valid),
+                context_none=False,
+                grad_mode=("grad", "no_grad", "inference")[i % 3],
+                donate=bool(i % 2),
+            )
             spec[role] = dict(valid, offense=offense, arg=i, requires_grad=bool(i % 4 == 0))
             test = example(spec)(test)
     return test
@@ -362,13 +392,38 @@ def fuzz_forward_owned(spec):
 
 # ============================================================================ 1. fuzz: from_state_dict
 
-BASE_CONFIGS = [(gated, ctx, attention)
-                for gated in (True, False) for ctx in (CTX, None) for attention in ("sdpa", "einsum")]
-EXTRA_KEYS = ("attn3.to_q.weight", "attn1.to_q.bias", "norm4.weight", "ff.net.1.weight", "ff.net.0.proj.weight.t", "",
-              "attn1.to_out.1.weight", "norm1.running_mean", "ff.net.0.0.weight", "ff.net.0.proj.bias")
+BASE_CONFIGS = [
+    (gated, ctx, attention) for gated in (True, False) for ctx in (CTX, None) for attention in ("sdpa", "einsum")
+]
+EXTRA_KEYS = (
+    "attn3.to_q.weight",
+    "attn1.to_q.bias",
+    "norm4.weight",
+    "ff.net.1.weight",
+    "ff.net.0.proj.weight.t",
+    "",
+    "attn1.to_out.1.weight",
+    "norm1.running_mean",
+    "ff.net.0.0.weight",
+    "ff.net.0.proj.bias",
+)
 NONSTR_KEYS = (0, b"attn1.to_q.weight", ("attn1", "to_q"), 1.5, None)
-WEIGHT_OPS = ("drop", "extra", "reshape", "dtype", "meta", "nontensor", "nonstr_key", "sparse", "nested", "donated",
-              "noncontig", "expand", "requires_grad", "nan")  # the last four are valid
+WEIGHT_OPS = (
+    "drop",
+    "extra",
+    "reshape",
+    "dtype",
+    "meta",
+    "nontensor",
+    "nonstr_key",
+    "sparse",
+    "nested",
+    "donated",
+    "noncontig",
+    "expand",
+    "requires_grad",
+    "nan",
+)  # the last four are valid
 BAD_VALUES = {
     "dim": (8, 15, 32, 0, -16, 2**40, 2**62, 2**70, 16.0, "16", None, True, np.int64(16)),
     "n_heads": (1, 4, 3, 0, -2, 2**33, 2**62, 2.0, "2", None, True, np.int32(2)),
@@ -390,12 +445,24 @@ def expected_shapes(dim, n_heads, d_head, context_dim, gated_ff):
     inner, cd, ff = n_heads * d_head, context_dim or dim, 4 * dim
     shapes = {}
     for attn, kv in (("attn1", dim), ("attn2", cd)):
-        shapes.update({f"{attn}.to_q.weight": (inner, dim), f"{attn}.to_k.weight": (inner, kv),
-                       f"{attn}.to_v.weight": (inner, kv), f"{attn}.to_out.0.weight": (dim, inner),
-                       f"{attn}.to_out.0.bias": (dim,)})
+        shapes.update(
+            {
+                f"{attn}.to_q.weight": (inner, dim),
+                f"{attn}.to_k.weight": (inner, kv),
+                f"{attn}.to_v.weight": (inner, kv),
+                f"{attn}.to_out.0.weight": (dim, inner),
+                f"{attn}.to_out.0.bias": (dim,),
+            }
+        )
     proj = "ff.net.0.proj" if gated_ff else "ff.net.0.0"
-    shapes.update({f"{proj}.weight": (2 * ff if gated_ff else ff, dim), f"{proj}.bias": (2 * ff if gated_ff else ff,),
-                   "ff.net.2.weight": (dim, ff), "ff.net.2.bias": (dim,)})
+    shapes.update(
+        {
+            f"{proj}.weight": (2 * ff if gated_ff else ff, dim),
+            f"{proj}.bias": (2 * ff if gated_ff else ff,),
+            "ff.net.2.weight": (dim, ff),
+            "ff.net.2.bias": (dim,),
+        }
+    )
     for norm in ("norm1", "norm2", "norm3"):
         shapes.update({f"{norm}.weight": (dim,), f"{norm}.bias": (dim,)})
     return shapes
@@ -468,7 +535,8 @@ state_dict_specs = st.fixed_dictionaries(
         "base": pick(BASE_CONFIGS),
         "ops": st.lists(st.tuples(pick(WEIGHT_OPS), st.integers(0, 10**6), st.integers(0, 10**6)), max_size=3),
         "config": pick([None] * len(BAD_VALUES) + sorted(BAD_VALUES)).flatmap(
-            lambda name: st.just(None) if name is None else st.tuples(st.just(name), st.integers(0, 10**6))),
+            lambda name: st.just(None) if name is None else st.tuples(st.just(name), st.integers(0, 10**6))
+        ),
     }
 )
 
@@ -485,8 +553,12 @@ def apply_weight_op(weights, op, i, j):
         weights[EXTRA_KEYS[j % len(EXTRA_KEYS)]] = torch.randn(3, DIM)
     elif op == "nonstr_key":
         weights[NONSTR_KEYS[j % len(NONSTR_KEYS)]] = torch.randn(DIM)
-    elif (not isinstance(value, torch.Tensor) or isinstance(value, DonatedTensor) or value.is_nested
-          or value.layout != torch.strided):
+    elif (
+        not isinstance(value, torch.Tensor)
+        or isinstance(value, DonatedTensor)
+        or value.is_nested
+        or value.layout != torch.strided
+    ):
         return
     elif value.device.type == "meta" and op in ("sparse", "nested", "noncontig", "expand", "nan"):
         return
@@ -567,8 +639,14 @@ def fuzz_from_state_dict(spec):
 
     rust, _ = attempt(lambda: RustBlock.from_state_dict(weights, **cfg), problems, label, "valid state_dict refused")
     if not problems:
-        ref = BasicTransformerBlock(cfg["dim"], cfg["n_heads"], cfg["d_head"], context_dim=cfg["context_dim"],
-                                    gated_ff=cfg["gated_ff"], attention=cfg["attention"])
+        ref = BasicTransformerBlock(
+            cfg["dim"],
+            cfg["n_heads"],
+            cfg["d_head"],
+            context_dim=cfg["context_dim"],
+            gated_ff=cfg["gated_ff"],
+            attention=cfg["attention"],
+        )
         ref.load_state_dict(weights, strict=True)
         x, c = small_inputs(context_dim=cfg["context_dim"])
         with torch.no_grad():
@@ -581,10 +659,31 @@ def fuzz_from_state_dict(spec):
 
 # ============================================================================ 1. fuzz: from_torch
 
-NON_BLOCKS = ("none", "dict", "state_dict", "linear", "module", "str", "int", "cross_attention", "rust_block",
-              "compvis")
-MODULE_OPS = ("param_dtype", "param_shape", "param_meta", "extra_param", "extra_sub_param", "no_bias", "heads",
-              "attn2_heads", "scale", "frozen", "train")
+NON_BLOCKS = (
+    "none",
+    "dict",
+    "state_dict",
+    "linear",
+    "module",
+    "str",
+    "int",
+    "cross_attention",
+    "rust_block",
+    "compvis",
+)
+MODULE_OPS = (
+    "param_dtype",
+    "param_shape",
+    "param_meta",
+    "extra_param",
+    "extra_sub_param",
+    "no_bias",
+    "heads",
+    "attn2_heads",
+    "scale",
+    "frozen",
+    "train",
+)
 
 from_torch_specs = st.fixed_dictionaries(
     {
@@ -627,12 +726,21 @@ def make_fuzz_module(spec):
     if kind == "compvis":  # another CompVis implementation: valid after a probe, refused by default
         from conftest import randomize_
 
-        block = randomize_(compvis_reference.BasicTransformerBlock(dim, spec["heads"], spec["d_head"], context_dim=ctx),
-                           spec["seed"]).eval()
+        block = randomize_(
+            compvis_reference.BasicTransformerBlock(dim, spec["heads"], spec["d_head"], context_dim=ctx), spec["seed"]
+        ).eval()
         return block, [] if spec["trust"] else [("compvis_reference.BasicTransformerBlock", "value")]
 
-    block = make_block(dim, spec["heads"], spec["d_head"], context_dim=ctx, gated_ff=spec["gated"], seed=spec["seed"],
-                       attention=spec["attention"], checkpoint=spec["checkpoint"]).to(spec["dtype"])
+    block = make_block(
+        dim,
+        spec["heads"],
+        spec["d_head"],
+        context_dim=ctx,
+        gated_ff=spec["gated"],
+        seed=spec["seed"],
+        attention=spec["attention"],
+        checkpoint=spec["checkpoint"],
+    ).to(spec["dtype"])
     params = sorted(block.named_parameters())
     key, p = params[spec["arg"] % len(params)]
     owner = block.get_submodule(key.rsplit(".", 1)[0])
@@ -686,8 +794,22 @@ def make_fuzz_module(spec):
 def sweep_modules(test):
     """Explicit examples: every non-block object and every module change once (the latter also
     on the meta device)."""
-    valid = dict(object="block", dim=16, heads=2, d_head=8, context_dim=12, gated=True, attention="sdpa",
-                 dtype=torch.float32, meta=False, checkpoint=False, op=None, arg=0, seed=0, trust=None)
+    valid = dict(
+        object="block",
+        dim=16,
+        heads=2,
+        d_head=8,
+        context_dim=12,
+        gated=True,
+        attention="sdpa",
+        dtype=torch.float32,
+        meta=False,
+        checkpoint=False,
+        op=None,
+        arg=0,
+        seed=0,
+        trust=None,
+    )
     for obj in NON_BLOCKS:
         test = example(dict(valid, object=obj))(test)
     test = example(dict(valid, object="compvis", trust="probe"))(test)
@@ -723,7 +845,7 @@ def fuzz_from_torch(spec):
                 module.eval()  # dropout is 0 anyway; train() only flips the flag
                 assert_matches(got, module(x, c), label)
         STATS["ok"] += 1
-    for k, v in (module.named_parameters() if isinstance(module, nn.Module) else ()):
+    for k, v in module.named_parameters() if isinstance(module, nn.Module) else ():
         assert unchanged(snaps[k], v), f"{label}: parameter {k} was mutated"
 
 
@@ -744,8 +866,9 @@ def run_child(args, timeout=300) -> dict:
     """Runs ``python <args>`` in a child process; a crash (negative return code: killed by a
     signal, e.g. SIGABRT from a C++ abort or SIGSEGV) or any failure fails the caller. Returns
     the JSON report the child printed last."""
-    proc = subprocess.run([sys.executable, "-X", "faulthandler", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-X", "faulthandler", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
     how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
     assert proc.returncode == 0, (
         f"child {args} failed ({how})\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
@@ -764,9 +887,22 @@ def test_child_harness_reports_crashes():
 
 # Every kind of bad input the issue lists must actually be generated (a generator that drifted
 # to only valid cases would pass vacuously).
-REQUIRED_TENSOR_PROBLEMS = ["x:shape", "x:dtype", "x:device", "x:layout", "x:empty", "x:type", "x:donated",
-                            "context:shape", "context:dtype", "context:device", "context:batch", "context:type",
-                            "context:missing", "context:empty"]
+REQUIRED_TENSOR_PROBLEMS = [
+    "x:shape",
+    "x:dtype",
+    "x:device",
+    "x:layout",
+    "x:empty",
+    "x:type",
+    "x:donated",
+    "context:shape",
+    "context:dtype",
+    "context:device",
+    "context:batch",
+    "context:type",
+    "context:missing",
+    "context:empty",
+]
 
 
 @pytest.mark.parametrize("entry", sorted(FUZZERS))
@@ -778,8 +914,9 @@ def test_fuzz_bad_inputs(entry):
     assert stats["cases"] >= FUZZ_CASES, stats
     assert stats["ok"] >= 50 and stats["error"] >= 100, f"too few valid or invalid cases: {stats}"
     if entry in ("forward", "forward_owned"):
-        required = REQUIRED_TENSOR_PROBLEMS + (["x:requires_grad", "context:requires_grad", "x:donate"]
-                                               if entry == "forward_owned" else [])
+        required = REQUIRED_TENSOR_PROBLEMS + (
+            ["x:requires_grad", "context:requires_grad", "x:donate"] if entry == "forward_owned" else []
+        )
         missing = [p for p in required if stats.get(p, 0) < 1]
         assert not missing, f"bad inputs never generated: {missing}: {stats}"
         assert stats.get("valid with NaN/inf", 0) >= 10, stats
@@ -815,8 +952,21 @@ def _native_heap():
         return None
 
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+        _fields_ = [
+            (f, ctypes.c_size_t)
+            for f in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
 
     mallinfo2.restype = MallInfo2
 
@@ -871,8 +1021,9 @@ def leak_main() -> dict:
         "forward_owned_donate": donated,
         "forward_backward": lambda: rust.forward(xg, c).sum().backward(),
         "refused_input": refused,
-        "from_state_dict": lambda: RustBlock.from_state_dict(params, dim=DIM, n_heads=HEADS, d_head=D_HEAD,
-                                                             context_dim=CTX),
+        "from_state_dict": lambda: RustBlock.from_state_dict(
+            params, dim=DIM, n_heads=HEADS, d_head=D_HEAD, context_dim=CTX
+        ),
         "from_torch": lambda: RustBlock.from_torch(block),
         "custom_op_forward": custom_op,
         # The controls, which must be detected: a native 8-byte allocation never freed (a leaked
@@ -895,8 +1046,12 @@ def leak_main() -> dict:
             for _ in range(LEAK_WINDOW):
                 fn()
             gc.collect()
-            windows.append({"heap_per_call": ((native() if native else 0) - heap0) / LEAK_WINDOW,
-                            "blocks_per_call": (sys.getallocatedblocks() - blocks0) / LEAK_WINDOW})
+            windows.append(
+                {
+                    "heap_per_call": ((native() if native else 0) - heap0) / LEAK_WINDOW,
+                    "blocks_per_call": (sys.getallocatedblocks() - blocks0) / LEAK_WINDOW,
+                }
+            )
         report["kinds"][name] = {"windows": windows, "rss": proc.memory_info().rss - rss0}
     return report
 
@@ -921,16 +1076,23 @@ def test_no_leak_10k_calls_cpu():
 
     assert len(kinds) == 8 and len(controls) == 3
     for name in ("control_native_8_bytes", "control_python_handle_8_bytes"):
-        assert rate(name, "heap_per_call") >= LEAK_BYTES_PER_CALL, (
-            f"the measurement missed {name}: {controls[name]}")
-    assert controls["control_rss_1k"]["rss"] > 5 * 2**20, f"the RSS measurement missed a 10 MB leak: {controls['control_rss_1k']}"
+        assert rate(name, "heap_per_call") >= LEAK_BYTES_PER_CALL, f"the measurement missed {name}: {controls[name]}"
+    assert controls["control_rss_1k"]["rss"] > 5 * 2**20, (
+        f"the RSS measurement missed a 10 MB leak: {controls['control_rss_1k']}"
+    )
     assert rate("control_rss_1k", "blocks_per_call") >= LEAK_BLOCKS_PER_CALL, "missed a Python object kept per call"
-    leaks = {name: kind for name, kind in kinds.items()
-             if rate(name, "heap_per_call") >= LEAK_BYTES_PER_CALL or rate(name, "blocks_per_call") >= LEAK_BLOCKS_PER_CALL
-             or kind["rss"] >= 2**20}
+    leaks = {
+        name: kind
+        for name, kind in kinds.items()
+        if rate(name, "heap_per_call") >= LEAK_BYTES_PER_CALL
+        or rate(name, "blocks_per_call") >= LEAK_BLOCKS_PER_CALL
+        or kind["rss"] >= 2**20
+    }
     margins = {name: round(rate(name, "heap_per_call"), 2) for name in controls if name != "control_rss_1k"}
-    assert not leaks, f"leaks: {leaks} (thresholds {LEAK_BYTES_PER_CALL} B, {LEAK_BLOCKS_PER_CALL} blocks per call; " \
-                      f"controls measured {margins} B per call)"
+    assert not leaks, (
+        f"leaks: {leaks} (thresholds {LEAK_BYTES_PER_CALL} B, {LEAK_BLOCKS_PER_CALL} blocks per call; "
+        f"controls measured {margins} B per call)"
+    )
 
 
 @cuda
@@ -976,8 +1138,11 @@ def test_optimizer_step_on_torch_block_is_seen_by_rust(optimizer):
     x, c = small_inputs()
     ptrs = [p.data_ptr() for p in block.parameters()]
     before = rust.forward(x, c).detach()
-    opt = (torch.optim.SGD(block.parameters(), lr=0.5) if optimizer == "sgd"
-           else torch.optim.Adam(block.parameters(), lr=0.05))
+    opt = (
+        torch.optim.SGD(block.parameters(), lr=0.5)
+        if optimizer == "sgd"
+        else torch.optim.Adam(block.parameters(), lr=0.05)
+    )
     for _ in range(2):
         opt.zero_grad()
         block(x, c).square().mean().backward()
@@ -1029,7 +1194,7 @@ def test_cpu_outputs_bitwise_identical_across_calls():
         assert_matches(owned, block(x, c))
 
 
-# ============================================================================ the raw extension, without the Python guards
+# ======================================================================= the raw extension, without the Python guards
 # The Rust side checks these itself (rust/block.rs, rust/ownership.rs, rust/facts.rs).
 
 

@@ -25,10 +25,10 @@ import io
 
 import pytest
 import torch
-from boundary_helpers import CTX, D_HEAD, DIM, HEADS, small_block, small_inputs
-from conftest import make_block, make_inputs, rel_err
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from boundary_helpers import CTX, D_HEAD, DIM, HEADS, small_block, small_inputs
+from conftest import make_block, make_inputs, rel_err
 from plusequals import CppBlock, RustBlock, UnsupportedBlockError
 from plusequals.twin import ops
 
@@ -55,16 +55,21 @@ def ops_in(graph_module) -> list:
 def test_opcheck():
     rust = RustBlock.from_torch(small_block())
     x, c = small_inputs()
-    torch.library.opcheck(ops.block_forward, op_args(rust, x.clone().requires_grad_(True),
-                                                     c.clone().requires_grad_(True), requires_grad=True))
+    torch.library.opcheck(
+        ops.block_forward,
+        op_args(rust, x.clone().requires_grad_(True), c.clone().requires_grad_(True), requires_grad=True),
+    )
     torch.library.opcheck(ops.block_forward, op_args(rust, x.bfloat16(), c.bfloat16(), autocast=torch.bfloat16))
     torch.library.opcheck(ops.block_forward_owned_, op_args(rust, x.clone(), c))
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
     torch.library.opcheck(ops.block_backward, (grad,) + op_args(rust, x, c)[:10] + (None, True, True, [True] * 20))
-    torch.library.opcheck(ops.block_backward, (grad,) + op_args(rust, x, c)[:10] + (None, False, True, [False, True] * 10))
+    torch.library.opcheck(
+        ops.block_backward, (grad,) + op_args(rust, x, c)[:10] + (None, False, True, [False, True] * 10)
+    )
     self_attention = CppBlock.from_torch(small_block(context_dim=None))
-    torch.library.opcheck(ops.block_forward, op_args(self_attention, x.clone().requires_grad_(True), None,
-                                                     requires_grad=True))
+    torch.library.opcheck(
+        ops.block_forward, op_args(self_attention, x.clone().requires_grad_(True), None, requires_grad=True)
+    )
 
 
 def test_backward_through_the_op_is_bitwise_the_eager_gradient():
@@ -107,9 +112,9 @@ def test_fake_tensor_shape_propagation():
 
 def swapped_unet(owned=False):
     diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
-    from test_diffusers import make_inputs as unet_inputs, make_unet, run
-
     from plusequals import swap_transformer_blocks
+    from test_diffusers import make_inputs as unet_inputs
+    from test_diffusers import make_unet, run
 
     unet = make_unet(diffusers)
     inputs = unet_inputs()

@@ -8,7 +8,13 @@ from plusequals.cli import demo
 
 
 def test_demo_exits_zero_and_shows_every_case():
-    proc = subprocess.run([sys.executable, "-m", "plusequals", "demo"], capture_output=True, text=True, timeout=1800, env={**os.environ, "COLUMNS": "250"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "plusequals", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "COLUMNS": "250"},
+    )
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-2000:]
     assert "UNEXPECTED" not in out
@@ -41,7 +47,10 @@ def test_demo_reads_at_80_columns():
     lines = console.export_text().splitlines()
     assert not [ln for ln in lines if "│" in ln or "┃" in ln], "a table was drawn at 80 columns"
     assert max(cell_len(ln) for ln in lines) <= 80
-    for name in [*bugs_strategies(), *(row.route for row in aliases.TABLE if row.run_time.startswith(("rust:", "py:")))]:
+    for name in [
+        *bugs_strategies(),
+        *(row.route for row in aliases.TABLE if row.run_time.startswith(("rust:", "py:"))),
+    ]:
         assert any(ln.startswith(name) and "as expected" in ln for ln in lines), name
     wide = Console(width=200, record=True, color_system=None)
     demo._alias_routes(wide, lambda ok, what: "as expected")

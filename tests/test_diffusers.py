@@ -18,10 +18,10 @@ import sys
 
 import pytest
 import torch
-from conftest import cuda, make_block, make_inputs as make_block_inputs, randomize_, rel_err
 from torch import nn
 
 import plusequals
+from conftest import cuda, randomize_, rel_err
 from plusequals import RustTransformerBlock, SwapHandle, UnsupportedBlockError, swap_transformer_blocks
 
 TOL = 1e-5
@@ -253,7 +253,10 @@ REFUSED = {
     "swiglu_ff": (_swiglu_ff, "ff.net.0 is diffusers.models.activations.SwiGLU"),
     "dropout": (_dropout, "dropout p=0.1"),
     "attention_bias": (_attention_bias, "attn1.to_q has a bias"),
-    "sliced_processor": (_sliced_processor, "attn2 uses attention processor diffusers.models.attention_processor.SlicedAttnProcessor"),
+    "sliced_processor": (
+        _sliced_processor,
+        "attn2 uses attention processor diffusers.models.attention_processor.SlicedAttnProcessor",
+    ),
     "forward_hook": (_hook, "attn1 has forward_hooks"),
     "ff_chunking": (_chunking, "feed-forward chunking"),
     "layer_norm_eps": (_eps, "norm3 has eps=1e-06"),
@@ -289,7 +292,7 @@ def test_exact_gelu_feed_forward_is_swapped(diffusers):
         expected = run(unet, inputs)
         handle = swap_transformer_blocks(unet)
         replacement = unet.get_submodule(REPLACED)
-        assert replacement.original is planted and replacement._spec.gated_ff is False
+        assert replacement.original is planted and replacement._config.gated_ff is False
         assert torch.equal(run(unet, inputs), expected)
         handle.undo()
 
@@ -335,7 +338,10 @@ def test_calls_it_cannot_honour_raise(diffusers):
         unet.set_attn_processor(AttnProcessor())  # the same maths (other ops: within the bound): still runs
         assert rel_err(run(unet, inputs), expected) <= TOL
         unet.set_attn_processor(SlicedAttnProcessor(2))
-        with pytest.raises(UnsupportedBlockError, match="attn1 uses attention processor diffusers.models.attention_processor.SlicedAttnProcessor"):
+        with pytest.raises(
+            UnsupportedBlockError,
+            match="attn1 uses attention processor diffusers.models.attention_processor.SlicedAttnProcessor",
+        ):
             run(unet, inputs)
         unet.set_attn_processor(AttnProcessor())
         handle = block.attn2.register_forward_hook(lambda *a: None)  # would be bypassed: refused

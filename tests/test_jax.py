@@ -13,13 +13,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from conftest import BATCH, CONTEXT, SHAPES, make_block, make_inputs, rel_err
 
 jax = pytest.importorskip("jax", reason="the compilers extra is not installed: pip install 'plusequals[compilers]'")
 jnp = jax.numpy
 
-from plusequals import bench, compilers  # noqa: E402
+from plusequals.bench import compilers  # noqa: E402
+from plusequals.bench.setup import Shape, make_setup  # noqa: E402
+from plusequals.bench.variants import Variant  # noqa: E402
 from plusequals.model import jax_block as jb  # noqa: E402
+from plusequals.model.jax_ownership import jax_alias_routes, jax_ownership, xla_input_output_alias, xla_memory  # noqa: E402
 
 TOL = 1e-5
 
@@ -86,7 +90,12 @@ def test_non_gated_feed_forward_and_compvis_reference():
     block = make_block(gated_ff=False)
     assert "ff.net.0.0.weight" in block.state_dict()
     with torch.no_grad():
-        assert rel_err(to_torch(jb.jit_forward()(jb.BasicTransformerBlock.from_torch(block), *jax_inputs(x, c))), block(x, c)) <= TOL
+        assert (
+            rel_err(
+                to_torch(jb.jit_forward()(jb.BasicTransformerBlock.from_torch(block), *jax_inputs(x, c))), block(x, c)
+            )
+            <= TOL
+        )
     ref = randomize_(compvis_reference.BasicTransformerBlock(80, 8, 10, context_dim=CONTEXT[1]), seed=3).eval()
     twin = jb.BasicTransformerBlock.from_state_dict(ref.state_dict(), n_heads=8, d_head=10)
     with torch.no_grad():
@@ -178,7 +187,7 @@ def test_alias_routes_under_donation():
     numpy view held on x makes JAX skip the donation (x stays alive, no warning); a JAX
     array on a torch tensor's memory (dlpack) is deleted by donation, but XLA does not write into
     the torch tensor."""
-    routes = compilers.jax_alias_routes()
+    routes = jax_alias_routes()
     for name in ("copy.copy(x)", "x.reshape(-1)", "x[:1]", "x.T"):
         assert routes[name]["x_deleted"] and not routes[name]["shares_buffer"], name
         assert routes[name]["after_donation"] == {"raises": None}, name
@@ -190,7 +199,9 @@ def test_alias_routes_under_donation():
     assert view["shares_buffer"] and not view["view_writeable"]
     assert not view["x_deleted"] and not view["output_in_x_buffer"] and view["view_unchanged"]
     same = routes["context is x"]  # f(donate(x), x): refused, and x is left alive
-    assert same["call"]["raises"] is not None and same["call"]["is_runtime_error"] and "donated" in same["call"]["message"]
+    assert (
+        same["call"]["raises"] is not None and same["call"]["is_runtime_error"] and "donated" in same["call"]["message"]
+    )
     assert not same["x_deleted"] and same["x_usable"]
     dl = routes["dlpack from torch"]
     assert dl["shares_buffer"] and dl["x_deleted"] and not dl["output_in_torch_buffer"] and dl["torch_unchanged"]
@@ -210,7 +221,7 @@ def test_donation_reuses_the_buffer_where_xla_aliases_it_and_the_donated_array_r
     jx, jc = jax_inputs(*make_inputs())
     f = jb.jit_forward(donate=True)
     compiled = f.lower(twin, jx, jc).compile()
-    mem = compilers.xla_memory(compiled)
+    mem = xla_memory(compiled)
     x = jnp.copy(jx)
     also_x = x
     ptr = x.unsafe_buffer_pointer()
@@ -219,7 +230,7 @@ def test_donation_reuses_the_buffer_where_xla_aliases_it_and_the_donated_array_r
     # What XLA declared and what happened agree (on the CPU with jax 0.10: the output takes x's buffer).
     assert mem["alias_bytes"] in (0, x.nbytes)
     assert (out.unsafe_buffer_pointer() == ptr) == (mem["alias_bytes"] == x.nbytes)
-    aliases = compilers.xla_input_output_alias(compiled)
+    aliases = xla_input_output_alias(compiled)
     if aliases is not None and mem["alias_bytes"]:
         assert [a["parameter"] for a in aliases] == [len(jax.tree_util.tree_leaves(twin))]  # x, after the weights
     # Every use of the donated array raises, under either name; its metadata stays readable.
@@ -246,7 +257,7 @@ def test_an_unusable_donation_warns_and_keeps_the_array():
 
 
 def test_jax_ownership_facts():
-    facts = compilers.jax_ownership()
+    facts = jax_ownership()
     assert facts["jax"] == jax.__version__ and facts["backend"] == "cpu"
     assert facts["iadd_rebinds"]["caller_unchanged_eager"] and facts["iadd_rebinds"]["caller_unchanged_jit"]
     assert facts["iadd_rebinds"]["rel_err_vs_op_plus_x"] <= TOL
@@ -257,24 +268,35 @@ def test_jax_ownership_facts():
     assert d["output_in_input_buffer"] == (d["xla"]["alias_bytes"] > 0)
     uses = d["use_after_donation"]
     assert uses["x.shape"] == {"raises": None}
-    for k in ("x + 1", "np.asarray(x)", "repr(x)", "x[0]", "second name (y = x) * 1", "x.block_until_ready()", "f(block, x, context) again"):
+    for k in (
+        "x + 1",
+        "np.asarray(x)",
+        "repr(x)",
+        "x[0]",
+        "second name (y = x) * 1",
+        "x.block_until_ready()",
+        "f(block, x, context) again",
+    ):
         assert uses[k]["raises"] is not None and "delete" in uses[k]["message"], k
     assert uses["x + 1"]["raises"] == "RuntimeError"
     assert facts["unusable_donation"]["input_deleted"] is False
     assert any("not usable" in w for w in facts["unusable_donation"]["warnings"])
     t = facts["training"]
     assert max(t["iadd_grad_rel_err_vs_torch"].values()) <= TOL
-    assert t["donated_forward_under_grad"]["input_deleted"] and t["donated_forward_under_grad"]["grad_rel_err_vs_iadd"] <= TOL
+    assert (
+        t["donated_forward_under_grad"]["input_deleted"]
+        and t["donated_forward_under_grad"]["grad_rel_err_vs_iadd"] <= TOL
+    )
     assert facts["alias_routes"]["y = x"]["x_deleted"]
 
 
 # ---------------------------------------------------------------------------- report variants
 def test_jax_variants_for_the_report():
-    shape = bench.Shape(16, 80, 8, 10, 1)
-    s = bench.make_setup(shape, 2, CONTEXT, "cpu", torch.float32)
+    shape = Shape(16, 80, 8, 10, 1)
+    s = make_setup(shape, 2, CONTEXT, "cpu", torch.float32)
     variants, info = compilers.jax_variants(s)
     assert [v.name for v in variants] == ["jax/jit", "jax/jit_donate"]
-    assert all(isinstance(v, bench.Variant) and v.family == "jax" and v.per_call == 1 for v in variants)
+    assert all(isinstance(v, Variant) and v.family == "jax" and v.per_call == 1 for v in variants)
     plain, donated = variants
     assert plain.reset is None and donated.reset is not None
     assert "subtracted" in donated.note and "jnp.copy" in donated.note and "compile" in plain.note
@@ -286,7 +308,9 @@ def test_jax_variants_for_the_report():
     donated.reset()
     assert info["buffer"]["jax/jit"] == {"input_deleted": False, "output_in_input_buffer": False}
     assert info["buffer"]["jax/jit_donate"]["input_deleted"] is True
-    assert info["buffer"]["jax/jit_donate"]["output_in_input_buffer"] == (info["xla"]["jax/jit_donate"]["alias_bytes"] > 0)
+    assert info["buffer"]["jax/jit_donate"]["output_in_input_buffer"] == (
+        info["xla"]["jax/jit_donate"]["alias_bytes"] > 0
+    )
     assert info["versions"]["jax"] == jax.__version__ and info["versions"]["jax_backend"] == "cpu"
     v = compilers.verdict(info)
     assert set(v["rows"]) == {"jax/jit", "jax/jit_donate"}
@@ -295,18 +319,19 @@ def test_jax_variants_for_the_report():
 
 
 def test_compilers_imports_without_the_extra():
-    """plusequals.compilers imports when jax and onnxruntime cannot be imported; the builders then
+    """plusequals.bench.compilers imports when jax and onnxruntime cannot be imported; the builders then
     raise an ImportError that names the extra."""
     code = """
 import sys
 for name in ('jax', 'jaxlib', 'onnxruntime', 'onnx', 'onnxscript'):
     sys.modules[name] = None  # as if not installed: import raises ImportError, find_spec gives None
 import torch
-from plusequals import bench, compilers
+from plusequals.bench import compilers
+from plusequals.bench.setup import Shape, make_setup
 assert compilers.available() == {'jax': False, 'onnxruntime': False}, compilers.available()
 v = compilers.versions()
 assert v['jax'] is None and v['onnxruntime'] is None
-s = bench.make_setup(bench.Shape(4, 80, 8, 10, 1), 1, (77, 192), 'cpu', torch.float32)
+s = make_setup(Shape(4, 80, 8, 10, 1), 1, (77, 192), 'cpu', torch.float32)
 variants, info = compilers.compiler_variants(s)
 assert variants == [] and set(info['skipped']) == {'jax', 'onnxruntime'}, info
 for build in (compilers.jax_variants, compilers.onnxruntime_variants):
@@ -318,5 +343,7 @@ for build in (compilers.jax_variants, compilers.onnxruntime_variants):
         raise AssertionError('no ImportError')
 print('ok')
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=120
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

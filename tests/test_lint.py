@@ -11,7 +11,9 @@ from plusequals.cli.demo import REPO, cargo_env
 
 
 def test_clippy_toml_lists_every_write_through_shared_method_of_tch():
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_clippy_toml.py"), "--check"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gen_clippy_toml.py"), "--check"], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = (REPO / "clippy.toml").read_text()
     for method in ["f_add_out", "add_out", "f_internal_copy_from", "f_mm_out", "f_native_layer_norm_out"]:
@@ -26,9 +28,17 @@ def test_clippy_toml_lists_every_panicking_tch_call():
     """The second group: each with its reason. The README's number is this count."""
     text = (REPO / "clippy.toml").read_text()
     panicking = re.findall(r'\{ path = "(tch::[\w:]+)", reason = "panics on a libtorch error', text)
-    for call in ["tch::Tensor::size", "tch::Tensor::kind", "tch::Tensor::device", "tch::Tensor::data_ptr",
-                 "tch::Tensor::shallow_clone", "tch::Tensor::g_add", "tch::Tensor::copy", "tch::IndexOp::i",
-                 "tch::no_grad_guard"]:
+    for call in [
+        "tch::Tensor::size",
+        "tch::Tensor::kind",
+        "tch::Tensor::device",
+        "tch::Tensor::data_ptr",
+        "tch::Tensor::shallow_clone",
+        "tch::Tensor::g_add",
+        "tch::Tensor::copy",
+        "tch::IndexOp::i",
+        "tch::no_grad_guard",
+    ]:
         assert call in panicking, call
     assert not [c for c in panicking if c.startswith("tch::Tensor::f_")]
     assert len(panicking) == 1735

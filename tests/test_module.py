@@ -22,10 +22,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SHAPES, make_block, make_inputs, randomize_, rel_err
 from torch import nn
 
 import compvis_reference
+from conftest import SHAPES, make_block, make_inputs, randomize_, rel_err
 from plusequals import BasicTransformerBlock, CppBlock, RustBlock, UnsupportedBlockError
 from plusequals.twin.faithful import read_block
 
@@ -37,8 +37,12 @@ def rust_on_same_weights(block: nn.Module, gated_ff: bool = True) -> RustBlock:
     (from_state_dict reads only the tensors): to show that a refused case would be wrong."""
     attn1 = block.attn1
     return RustBlock.from_state_dict(
-        {k: v.detach() for k, v in block.state_dict().items()}, dim=attn1.to_q.in_features, n_heads=attn1.heads,
-        d_head=attn1.to_q.out_features // attn1.heads, context_dim=block.attn2.to_k.in_features, gated_ff=gated_ff,
+        {k: v.detach() for k, v in block.state_dict().items()},
+        dim=attn1.to_q.in_features,
+        n_heads=attn1.heads,
+        d_head=attn1.to_q.out_features // attn1.heads,
+        context_dim=block.attn2.to_k.in_features,
+        gated_ff=gated_ff,
     )
 
 
@@ -162,7 +166,7 @@ def test_the_issues_cases_are_refused_by_cpp_too():
 
 
 def test_dropout_is_faithful_in_eval_mode_and_refused_in_training():
-    """"Dropout probability and mode": p > 0 is the identity in eval mode (accepted, bitwise),
+    """ "Dropout probability and mode": p > 0 is the identity in eval mode (accepted, bitwise),
     refused once the module is put in training mode, and accepted again in eval mode."""
     block = make_block(dropout=0.3).eval()
     rust = RustBlock.from_torch(block)
@@ -233,8 +237,13 @@ def test_one_definition_for_from_torch_and_the_swap():
     g = torch.Generator().manual_seed(3)
     x, c = torch.randn(2, 9, 32, generator=g), torch.randn(2, 7, 24, generator=g)
     assert torch.equal(rust(x, c), block(x, encoder_hidden_states=c))
-    refused = [dict(activation_fn="gelu-approximate"), dict(norm_eps=1e-6), dict(attention_bias=True),
-               dict(only_cross_attention=True), dict(dropout=0.1)]
+    refused = [
+        dict(activation_fn="gelu-approximate"),
+        dict(norm_eps=1e-6),
+        dict(attention_bias=True),
+        dict(only_cross_attention=True),
+        dict(dropout=0.1),
+    ]
     for kw in refused:
         block = diffusers_block(**kw).train()
         reasons = read_block(block).reasons
@@ -353,8 +362,11 @@ def test_optimizer_steps_are_seen_without_a_rebuild(wrapper, optimizer):
     x, c = make_inputs(16)
     call(wrapped, x, c)
     inner = wrapped._block
-    opt = (torch.optim.SGD(block.parameters(), lr=0.1) if optimizer == "sgd"
-           else torch.optim.Adam(block.parameters(), lr=1e-2))
+    opt = (
+        torch.optim.SGD(block.parameters(), lr=0.1)
+        if optimizer == "sgd"
+        else torch.optim.Adam(block.parameters(), lr=1e-2)
+    )
     for _ in range(2):
         opt.zero_grad()
         call(wrapped, x, c).square().mean().backward()

@@ -11,12 +11,17 @@ import warnings
 import numpy as np
 import pytest
 import torch
+
 from conftest import CONTEXT, SHAPES, make_block, make_inputs, rel_err
 
-ort = pytest.importorskip("onnxruntime", reason="the compilers extra is not installed: pip install 'plusequals[compilers]'")
+ort = pytest.importorskip(
+    "onnxruntime", reason="the compilers extra is not installed: pip install 'plusequals[compilers]'"
+)
 pytest.importorskip("onnxscript", reason="the compilers extra is not installed: pip install 'plusequals[compilers]'")
 
-from plusequals import bench, compilers  # noqa: E402
+from plusequals.bench import compilers  # noqa: E402
+from plusequals.bench.setup import Setup, Shape, make_setup  # noqa: E402
+from plusequals.bench.variants import Variant  # noqa: E402
 from plusequals.model import onnx_block as ob  # noqa: E402
 
 TOL = 1e-5
@@ -121,10 +126,10 @@ def test_memory_profile_sees_the_planners_buffer_reuse():
 
 
 def test_onnxruntime_variant_for_the_report():
-    s = bench.make_setup(bench.Shape(16, 80, 8, 10, 1), 2, CONTEXT, "cpu", torch.float32)
+    s = make_setup(Shape(16, 80, 8, 10, 1), 2, CONTEXT, "cpu", torch.float32)
     variants, info = compilers.onnxruntime_variants(s)
     (v,) = variants
-    assert isinstance(v, bench.Variant) and v.name == "onnxruntime/cpu" and v.family == "onnxruntime" and v.reset is None
+    assert isinstance(v, Variant) and v.name == "onnxruntime/cpu" and v.family == "onnxruntime" and v.reset is None
     assert "export" in v.note and "dynamo" in v.note
     v.fn()
     assert info["rel_err"]["onnxruntime/cpu"] <= TOL and info["exporter"] == "dynamo" and info["opset"] >= 18
@@ -133,18 +138,21 @@ def test_onnxruntime_variant_for_the_report():
     assert info["buffer"]["onnxruntime/cpu"] == {"input_deleted": False, "output_in_input_buffer": False}
     assert info["versions"]["onnxruntime"] == ort.__version__ and info["versions"]["onnxruntime_device"] == "CPU"
     with pytest.raises(ValueError, match="CPU only"):
-        compilers.onnxruntime_variants(bench.Setup(s.block, s.rust, s.x, s.context, "cuda"))
+        compilers.onnxruntime_variants(Setup(s.block, s.rust, s.x, s.context, "cuda"))
 
 
 def test_verdict_from_all_compilers():
     pytest.importorskip("jax", reason="the compilers extra is not installed")
-    s = bench.make_setup(bench.Shape(16, 80, 8, 10, 1), 2, CONTEXT, "cpu", torch.float32)
+    s = make_setup(Shape(16, 80, 8, 10, 1), 2, CONTEXT, "cpu", torch.float32)
     variants, info = compilers.compiler_variants(s)
     assert [v.name for v in variants] == ["jax/jit", "jax/jit_donate", "onnxruntime/cpu"] and info["skipped"] == {}
     v = compilers.verdict(info["jax"], info["onnxruntime"])
     rows = v["rows"]
     assert set(rows) == {"jax/jit", "jax/jit_donate", "onnxruntime/cpu"}
-    assert rows["jax/jit"]["output_in_input_buffer"] is False and rows["onnxruntime/cpu"]["output_in_input_buffer"] is False
+    assert (
+        rows["jax/jit"]["output_in_input_buffer"] is False
+        and rows["onnxruntime/cpu"]["output_in_input_buffer"] is False
+    )
     assert v["in_place"] == (["jax/jit_donate"] if rows["jax/jit_donate"]["output_in_input_buffer"] else [])
     adds = rows["onnxruntime/cpu"]["residual_adds_new_bytes"]
     assert len(adds) == 3 and ("onnxruntime/cpu" in v["reuses_buffers"]) == (adds[0] == adds[1] == 0)

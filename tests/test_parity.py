@@ -5,9 +5,9 @@ Tolerance: fp32 on the CPU, relative error ||a - b|| / ||b|| <= 1e-5 (the projec
 
 import pytest
 import torch
-from conftest import BATCH, CONTEXT, SHAPES, cuda, make_block, make_inputs, rel_err
 
 import compvis_reference
+from conftest import BATCH, CONTEXT, SHAPES, cuda, make_block, make_inputs, rel_err
 from plusequals import STRATEGIES, BasicTransformerBlock, RustBlock
 
 TOL = 1e-5
@@ -104,7 +104,9 @@ def test_independent_compvis_state_dict_loads_strictly(attention):
     assert not result.missing_keys and not result.unexpected_keys
     assert list(ours.state_dict()) == list(ref.state_dict())
     assert "attn1.to_out.0.weight" in ref.state_dict() and "ff.net.0.proj.weight" in ref.state_dict()
-    rust = RustBlock.from_state_dict(ref.state_dict(), dim=80, n_heads=8, d_head=10, context_dim=CONTEXT[1], attention=attention)
+    rust = RustBlock.from_state_dict(
+        ref.state_dict(), dim=80, n_heads=8, d_head=10, context_dim=CONTEXT[1], attention=attention
+    )
     x, c = make_inputs()
     with torch.no_grad():
         expected = ref(x, c)
@@ -154,7 +156,9 @@ FP16_TOL = 2e-3
 
 @cuda
 @pytest.mark.parametrize("attention", ["sdpa", "einsum"])
-@pytest.mark.parametrize("tokens,dim,heads,d_head", [(4096, 320, 8, 40), (1024, 640, 8, 80), (256, 1280, 8, 160), (64, 1280, 8, 160)])
+@pytest.mark.parametrize(
+    "tokens,dim,heads,d_head", [(4096, 320, 8, 40), (1024, 640, 8, 80), (256, 1280, 8, 160), (64, 1280, 8, 160)]
+)
 def test_cuda_fp16_parity(tokens, dim, heads, d_head, attention):
     block = make_block(dim, heads, d_head, context_dim=768, attention=attention).to("cuda", torch.float16)
     g = torch.Generator().manual_seed(1)

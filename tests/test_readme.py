@@ -4,7 +4,7 @@ import json
 import re
 from pathlib import Path
 
-from plusequals.report import NUMBER
+from plusequals.bench.results import NUMBER
 from report_tokens import tokens
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from plusequals import bench
-from plusequals.report import NUMBER, fmt
+from plusequals.bench import timing
+from plusequals.bench.results import NUMBER, fmt
+from plusequals.bench.setup import HOST_THREADS
+from plusequals.bench.variants import HOST_VARIANTS
 from report_tokens import tokens
 
 
@@ -47,9 +49,18 @@ def test_every_cell_was_timed_in_seeded_shuffled_rounds(quick_report):
         assert data["config"]["max_rounds"] >= c["rounds"] >= data["config"]["rounds"] >= 5
         assert len(c["orders"]) == c["rounds"] and all(set(o) == probes and len(o) == len(probes) for o in c["orders"])
         assert len({tuple(o) for o in c["orders"]}) > 1, "one order for every round: not shuffled"
-        assert c["orders"] == bench.shuffled_orders(list(c["raw_ms"]), data["config"]["max_rounds"], c["seed"])[: c["rounds"]]
+        assert (
+            c["orders"]
+            == timing.shuffled_orders(list(c["raw_ms"]), data["config"]["max_rounds"], c["seed"])[: c["rounds"]]
+        )
         assert all(len(ts) == c["rounds"] for ts in c["raw_ms"].values())
-        assert {"echo", "echo_checked", "eager/op_plus_x", "reset:eager/iadd", "reset:rust/forward_owned_donate"} <= probes
+        assert {
+            "echo",
+            "echo_checked",
+            "eager/op_plus_x",
+            "reset:eager/iadd",
+            "reset:rust/forward_owned_donate",
+        } <= probes
 
 
 def test_times_and_ratios_are_recomputable_from_the_raw_rounds(quick_report):
@@ -76,42 +87,51 @@ def test_times_and_ratios_are_recomputable_from_the_raw_rounds(quick_report):
 
 
 def test_the_host_cost_cell_ran_on_one_thread_at_the_tiny_shape_in_seeded_rounds(quick_report):
-    """batch 1, 4 tokens x width 32, one intra-op thread: every variant of bench.HOST_VARIANTS
+    """batch 1, 4 tokens x width 32, one intra-op thread: every variant of HOST_VARIANTS
     the device has, in shuffled rounds whose times and paired ratios recompute from the raw
     samples; and the thread count is restored for what follows."""
     data = json.loads((quick_report / "results.json").read_text())
     hc = data["host_cost"]
     assert (hc["batch"], hc["shape"]["label"], hc["context"], hc["threads"]) == (1, "4x32", [4, 32], 1)
     cell = hc["cell"]
-    assert {r["variant"] for r in hc["rows"]} == set(bench.HOST_VARIANTS) - {"graph/op_plus_x"}  # no CUDA graphs on the CPU
-    assert cell["orders"] == bench.shuffled_orders(list(cell["raw_ms"]), data["config"]["max_rounds"], cell["seed"])[: cell["rounds"]]
+    assert {r["variant"] for r in hc["rows"]} == set(HOST_VARIANTS) - {"graph/op_plus_x"}  # no CUDA graphs on the CPU
+    assert (
+        cell["orders"]
+        == timing.shuffled_orders(list(cell["raw_ms"]), data["config"]["max_rounds"], cell["seed"])[: cell["rounds"]]
+    )
     assert cell["seed"] not in {c["seed"] for c in data["cells"]}
     rows = {r["variant"]: r for r in hc["rows"]}
     for r in hc["rows"]:
         reset = cell["raw_ms"].get(f"reset:{r['variant']}", [0.0] * cell["rounds"])
         per_call = hc["rust_loop_n"] if r["variant"].endswith("/loop") else 1
-        assert r["rounds_ms"] == pytest.approx([(t - z) / per_call for t, z in zip(cell["raw_ms"][r["variant"]], reset)])
+        assert r["rounds_ms"] == pytest.approx(
+            [(t - z) / per_call for t, z in zip(cell["raw_ms"][r["variant"]], reset)]
+        )
     for p in hc["paired"]:
         ratios = np.array(rows[p["variant"]]["rounds_ms"]) / np.array(rows[p["vs"]]["rounds_ms"])
         assert p["median"] == pytest.approx(np.median(ratios))
-    assert {(p["variant"], p["vs"]) for p in hc["paired"]} >= {("rust/forward", "eager/op_plus_x"), ("cpp/loop", "eager/op_plus_x"), ("rust/loop", "cpp/loop")}
+    assert {(p["variant"], p["vs"]) for p in hc["paired"]} >= {
+        ("rust/forward", "eager/op_plus_x"),
+        ("cpp/loop", "eager/op_plus_x"),
+        ("rust/loop", "cpp/loop"),
+    }
 
 
 def test_the_host_cost_cell_times_on_one_thread_and_restores_the_count(monkeypatch):
-    from plusequals import report
+    from plusequals.bench import measure
 
     seen = []
-    real = bench.interleaved_rounds
+    real = timing.interleaved_rounds
 
     def spy(*args, **kw):
         seen.append(torch.get_num_threads())
         return real(*args, **kw)
 
-    monkeypatch.setattr(bench, "interleaved_rounds", spy)
+    monkeypatch.setattr(timing, "interleaved_rounds", spy)
     before = torch.get_num_threads()
-    hc = report.host_cost("cpu", torch.float32, rounds=3, max_rounds=3, extra_s=0.0, sample_s=0.002, seed=7)
-    assert seen == [bench.HOST_THREADS] and torch.get_num_threads() == before
-    assert hc["cell"]["rounds"] == 3 and len(hc["rows"]) == len(bench.HOST_VARIANTS) - 1
+    hc = measure.host_cost("cpu", torch.float32, rounds=3, max_rounds=3, extra_s=0.0, sample_s=0.002, seed=7)
+    assert seen == [HOST_THREADS] and torch.get_num_threads() == before
+    assert hc["cell"]["rounds"] == 3 and len(hc["rows"]) == len(HOST_VARIANTS) - 1
 
 
 # ----------------------------------------------------------------------------- REPORT.md, cell by cell
@@ -164,7 +184,9 @@ def expected_row(data: dict, heading: str, caption: str, header: list[str], row:
         cells = [rows[batch, sh, label] for sh in shapes]
         return [row[0]] + [f"{fmt(r['median_ms'])} ({fmt(r['iqr_ms'])})" for r in cells] + [cells[0]["note"]]
     if caption.startswith(f"Paired ratio to `{ref}`"):
-        return [row[0]] + [_ratio(*(paired[batch, sh, label, ref][k] for k in ("median", "q1", "q3"))) for sh in header[1:]]
+        return [row[0]] + [
+            _ratio(*(paired[batch, sh, label, ref][k] for k in ("median", "q1", "q3"))) for sh in header[1:]
+        ]
     if caption.startswith("Other paired ratios"):
         a, b = (x.strip("`") for x in row[0].split(" / "))
         return [row[0]] + [_ratio(*(paired[batch, sh, a, b][k] for k in ("median", "q1", "q3"))) for sh in header[1:]]
@@ -176,7 +198,12 @@ def expected_row(data: dict, heading: str, caption: str, header: list[str], row:
         total = sum(rows[batch, sh, label]["median_ms"] * n for sh, n in blocks.items())
         weight = {sh: rows[batch, sh, ref]["median_ms"] * n for sh, n in blocks.items()}
         ratio = {sh: 1.0 if label == ref else paired[batch, sh, label, ref]["median"] for sh in blocks}
-        return [row[0], fmt(total), fmt(1e3 / total), fmt(sum(ratio[sh] * weight[sh] for sh in blocks) / sum(weight.values()))]
+        return [
+            row[0],
+            fmt(total),
+            fmt(1e3 / total),
+            fmt(sum(ratio[sh] * weight[sh] for sh in blocks) / sum(weight.values())),
+        ]
     if caption.startswith("Peak memory"):
         out = [row[0]]
         for sh in header[1:]:
@@ -210,7 +237,13 @@ def expected_row(data: dict, heading: str, caption: str, header: list[str], row:
         return [u["name"], fmt(u["median_ms"]), fmt(u["iqr_ms"]), vs]
     if heading == "Targets":
         t = next(t for t in data["targets"] if t["target"] == row[0])
-        return [t["target"], "-" if t["value"] is None else f"{fmt(t['value'])} {t['unit']}", fmt(t["limit"]), t["status"], t["detail"]]
+        return [
+            t["target"],
+            "-" if t["value"] is None else f"{fmt(t['value'])} {t['unit']}",
+            fmt(t["limit"]),
+            t["status"],
+            t["detail"],
+        ]
     raise AssertionError(f"a table no check knows: {heading!r} / {caption!r}")
 
 
@@ -224,7 +257,11 @@ def misplaced_cells(md: str, data: dict) -> list[str]:
             except (KeyError, StopIteration) as e:
                 bad.append(f"{caption}: row {row[0]} is in no results.json entry ({e!r})")
                 continue
-            bad += [f"{caption}: row {row[0]}, column {h}: {got!r}, results.json says {w!r}" for h, got, w in zip(header, row, want) if got != w]
+            bad += [
+                f"{caption}: row {row[0]}, column {h}: {got!r}, results.json says {w!r}"
+                for h, got, w in zip(header, row, want)
+                if got != w
+            ]
             if len(row) != len(want):
                 bad.append(f"{caption}: row {row[0]} has {len(row)} cells, not {len(want)}")
     return bad
@@ -235,7 +272,15 @@ def test_every_table_cell_matches_its_row_and_column_in_results_json(quick_repor
     md = (quick_report / "REPORT.md").read_text()
     found = tables(md)
     captions = " ".join(f"{h} {c}" for h, c, _, _ in found)
-    for must in ("Median ms (IQR ms)", "Paired ratio to", "Drift", "Per UNet step", "The boundary", "Host cost: us per call", "Targets"):
+    for must in (
+        "Median ms (IQR ms)",
+        "Paired ratio to",
+        "Drift",
+        "Per UNet step",
+        "The boundary",
+        "Host cost: us per call",
+        "Targets",
+    ):
         assert must in captions, must
     variants = {f"`{r['variant']}`" for r in data["results"]}
     for _, caption, _, rows in found:
@@ -266,7 +311,9 @@ def test_every_number_outside_the_tables_is_in_results_json(quick_report):
     numbers results.json holds."""
     data = json.loads((quick_report / "results.json").read_text())
     allowed = tokens(data, set())
-    prose = "\n".join(line for line in (quick_report / "REPORT.md").read_text().splitlines() if not line.startswith("|"))
+    prose = "\n".join(
+        line for line in (quick_report / "REPORT.md").read_text().splitlines() if not line.startswith("|")
+    )
     stray = [n for n in NUMBER.findall(prose) if n not in allowed]
     assert not stray, f"numbers in REPORT.md not in results.json: {sorted(set(stray))[:20]}"
 
@@ -289,7 +336,19 @@ def test_results_are_written_as_they_come(tmp_path):
     """Interrupt a run once it has measured something: results.json holds those rows. The run is
     --quiet: until it ends it prints nothing at all."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "plusequals", "report", "--quick", "--device", "cpu", "--out", str(tmp_path), "--no-unet", "--quiet"],
+        [
+            sys.executable,
+            "-m",
+            "plusequals",
+            "report",
+            "--quick",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+            "--no-unet",
+            "--quiet",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )

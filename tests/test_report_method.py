@@ -1,4 +1,4 @@
-"""The report's timing method: interleaved rounds and paired ratios (python/plusequals/bench.py).
+"""The report's timing method: interleaved rounds and paired ratios (python/plusequals/bench/timing.py).
 
 The round and pairing functions are exercised here on a fake machine whose speed drifts: its
 clock is torch.utils.benchmark's Timer clock, and its workloads advance that clock by their cost
@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plusequals import bench
+from plusequals.bench import timing
+from plusequals.bench.variants import Variant, paired_iqr_settled, variant_ms, variant_probes
 
 
 # ----------------------------------------------------------------------------- a drifting machine
@@ -61,17 +62,19 @@ def toggled_load(seed: int, mean_s: float, factor: float):
 DESIGNS = ("interleaved", "sequential")
 
 
-def ratios_under(design: str, slowdown, costs: dict, reference: str, rounds: int, seed: int = 0, sample_s: float = 0.01):
+def ratios_under(
+    design: str, slowdown, costs: dict, reference: str, rounds: int, seed: int = 0, sample_s: float = 0.01
+):
     """Each workload's paired ratio to ``reference`` (median over rounds) on a fresh machine,
     measured with the report's own functions on the fake clock; and the run's fake duration."""
     machine = DriftingMachine(slowdown)
     probes = {name: machine.workload(c) for name, c in costs.items()}
     if design == "interleaved":
-        steps = bench.interleaved_steps(bench.shuffled_orders(list(probes), rounds, seed))
+        steps = timing.interleaved_steps(timing.shuffled_orders(list(probes), rounds, seed))
     else:
-        steps = bench.sequential_steps(list(probes), rounds)
-    _, raw = bench.measure_steps(probes, steps, sample_s, clock=machine.clock)
-    return {name: bench.spread(bench.paired_ratios(raw[name], raw[reference])).median for name in costs}, machine.now
+        steps = timing.sequential_steps(list(probes), rounds)
+    _, raw = timing.measure_steps(probes, steps, sample_s, clock=machine.clock)
+    return {name: timing.spread(timing.paired_ratios(raw[name], raw[reference])).median for name in costs}, machine.now
 
 
 def test_a_load_that_comes_on_midway_picks_no_winner_when_interleaved():
@@ -99,26 +102,30 @@ def test_a_load_switched_at_random_moves_no_same_work_variant_when_interleaved()
         for name in costs:
             want = 1.1 if name == "slower" else 1.0
             assert got["interleaved"][name] == pytest.approx(want, rel=0.05), (seed, name, got["interleaved"])
-        assert any(abs(got["sequential"][n] / (1.1 if n == "slower" else 1.0) - 1) > 0.2 for n in costs), got["sequential"]
+        assert any(abs(got["sequential"][n] / (1.1 if n == "slower" else 1.0) - 1) > 0.2 for n in costs), got[
+            "sequential"
+        ]
 
 
 def test_without_drift_both_designs_agree():
     for design in DESIGNS:
-        assert ratios_under(design, lambda now: 1.0, {"A": 1e-3, "B": 1.5e-3}, "A", rounds=5)[0]["B"] == pytest.approx(1.5, rel=1e-6)
+        assert ratios_under(design, lambda now: 1.0, {"A": 1e-3, "B": 1.5e-3}, "A", rounds=5)[0]["B"] == pytest.approx(
+            1.5, rel=1e-6
+        )
 
 
 def test_interleaved_rounds_records_seed_orders_and_every_raw_time():
     machine = DriftingMachine(lambda now: 1.0)
     probes = {"a": machine.workload(1e-3), "b": machine.workload(2e-3), "reset:b": machine.workload(0.5e-3)}
-    r = bench.interleaved_rounds(probes, rounds=6, seed=7, sample_s=0.01, clock=machine.clock)
+    r = timing.interleaved_rounds(probes, rounds=6, seed=7, sample_s=0.01, clock=machine.clock)
     rec = r.record()
     assert rec["seed"] == 7 and rec["rounds"] == 6
-    assert rec["orders"] == bench.shuffled_orders(list(probes), 6, 7)
+    assert rec["orders"] == timing.shuffled_orders(list(probes), 6, 7)
     assert all(len(rec["raw_ms"][name]) == 6 for name in probes)
     assert rec["calls_per_sample"] == {"a": 10, "b": 5, "reset:b": 20}
     assert rec["raw_ms"]["a"] == pytest.approx([1.0] * 6)
-    v = bench.Variant("b", "eager", probes["b"], "note", reset=probes["reset:b"])
-    assert bench.variant_ms(r.raw_ms, v) == pytest.approx([1.5] * 6)
+    v = Variant("b", "eager", probes["b"], "note", reset=probes["reset:b"])
+    assert variant_ms(r.raw_ms, v) == pytest.approx([1.5] * 6)
 
 
 def test_a_noisy_stretch_buys_more_rounds_up_to_the_cap():
@@ -127,12 +134,19 @@ def test_a_noisy_stretch_buys_more_rounds_up_to_the_cap():
 
     def run(slowdown, rounds, max_rounds, extra_s=math.inf):
         machine = DriftingMachine(slowdown)
-        variants = [bench.Variant(name, "eager", machine.workload(c), "") for name, c in costs.items()]
-        settled = bench.paired_iqr_settled(variants, max_iqr=0.1)
-        r = bench.interleaved_rounds(
-            bench.variant_probes(variants), rounds, 0, 0.01, clock=machine.clock, settled=settled, max_rounds=max_rounds, extra_s=extra_s
+        variants = [Variant(name, "eager", machine.workload(c), "") for name, c in costs.items()]
+        settled = paired_iqr_settled(variants, max_iqr=0.1)
+        r = timing.interleaved_rounds(
+            variant_probes(variants),
+            rounds,
+            0,
+            0.01,
+            clock=machine.clock,
+            settled=settled,
+            max_rounds=max_rounds,
+            extra_s=extra_s,
         )
-        assert r.orders == bench.shuffled_orders(list(costs), max_rounds, 0)[: len(r.orders)]
+        assert r.orders == timing.shuffled_orders(list(costs), max_rounds, 0)[: len(r.orders)]
         return len(r.orders)
 
     assert run(lambda now: 1.0, 5, 15) == 5
@@ -146,41 +160,43 @@ def test_a_noisy_stretch_buys_more_rounds_up_to_the_cap():
 # ----------------------------------------------------------------------------- the pure pieces
 def test_shuffled_orders_are_seeded_permutations():
     names = [f"v{i}" for i in range(11)]
-    orders = bench.shuffled_orders(names, 9, seed=3)
+    orders = timing.shuffled_orders(names, 9, seed=3)
     assert len(orders) == 9 and all(sorted(o) == sorted(names) for o in orders)
-    assert orders == bench.shuffled_orders(names, 9, seed=3)
-    assert orders != bench.shuffled_orders(names, 9, seed=4)
+    assert orders == timing.shuffled_orders(names, 9, seed=3)
+    assert orders != timing.shuffled_orders(names, 9, seed=4)
     assert len({tuple(o) for o in orders}) > 1  # shuffled per round, not once
 
 
 def test_steps_of_each_design():
     orders = [["b", "a"], ["a", "b"]]
-    assert bench.interleaved_steps(orders) == [(0, "b"), (0, "a"), (1, "a"), (1, "b")]
-    assert bench.sequential_steps(["a", "b"], 2) == [(0, "a"), (1, "a"), (0, "b"), (1, "b")]
+    assert timing.interleaved_steps(orders) == [(0, "b"), (0, "a"), (1, "a"), (1, "b")]
+    assert timing.sequential_steps(["a", "b"], 2) == [(0, "a"), (1, "a"), (0, "b"), (1, "b")]
     seen = []
-    raw = bench.run_steps(bench.interleaved_steps(orders), lambda name: seen.append(name) or float(len(seen)))
+    raw = timing.run_steps(timing.interleaved_steps(orders), lambda name: seen.append(name) or float(len(seen)))
     assert seen == ["b", "a", "a", "b"]
     assert raw == {"b": [1.0, 4.0], "a": [2.0, 3.0]}
 
 
 def test_net_times_subtract_the_same_rounds_reset_and_divide_by_forwards():
     raw = {"v": [10.0, 20.0, 12.0], "reset:v": [1.0, 9.0, 2.0], "loop": [50.0, 60.0, 55.0]}
-    assert bench.net_ms(raw, "v", "reset:v") == [9.0, 11.0, 10.0]
-    assert bench.net_ms(raw, "loop", per_call=5) == [10.0, 12.0, 11.0]
-    assert bench.paired_ratios([2.0, 3.0], [1.0, 2.0]) == [2.0, 1.5]
+    assert timing.net_ms(raw, "v", "reset:v") == [9.0, 11.0, 10.0]
+    assert timing.net_ms(raw, "loop", per_call=5) == [10.0, 12.0, 11.0]
+    assert timing.paired_ratios([2.0, 3.0], [1.0, 2.0]) == [2.0, 1.5]
 
 
-@pytest.mark.parametrize("xs", [[3.0, 1.0, 2.0, 5.0, 4.0], [1.0, 2.0, 4.0, 8.0, 9.0, 10.0], [0.9, 1.1, 1.0, 1.2, 0.95, 1.05, 1.0]])
+@pytest.mark.parametrize(
+    "xs", [[3.0, 1.0, 2.0, 5.0, 4.0], [1.0, 2.0, 4.0, 8.0, 9.0, 10.0], [0.9, 1.1, 1.0, 1.2, 0.95, 1.05, 1.0]]
+)
 def test_spread_is_median_and_quartiles(xs):
-    sp = bench.spread(xs)
+    sp = timing.spread(xs)
     assert sp.median == pytest.approx(np.median(xs))
     assert (sp.q1, sp.q3) == pytest.approx(tuple(np.quantile(xs, [0.25, 0.75])))
     assert sp.iqr == pytest.approx(sp.q3 - sp.q1) and sp.n == len(xs)
 
 
 def test_within_noise_is_the_paired_interval_containing_one():
-    assert bench.spread([0.97, 0.99, 1.01, 1.02, 1.04]).contains(1.0)
-    assert not bench.spread([0.90, 0.92, 0.93, 0.95, 0.96]).contains(1.0)
+    assert timing.spread([0.97, 0.99, 1.01, 1.02, 1.04]).contains(1.0)
+    assert not timing.spread([0.90, 0.92, 0.93, 0.95, 0.96]).contains(1.0)
 
 
 # ----------------------------------------------------------------------------- the acceptance run
@@ -215,7 +231,9 @@ BURNER = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("PLUSEQUALS_LOAD_TEST") != "1", reason="set PLUSEQUALS_LOAD_TEST=1 (two to four minutes)")
+@pytest.mark.skipif(
+    os.environ.get("PLUSEQUALS_LOAD_TEST") != "1", reason="set PLUSEQUALS_LOAD_TEST=1 (two to four minutes)"
+)
 def test_quick_report_under_a_load_switched_at_random(tmp_path):
     """The issue's done-when: a quick CPU report, run while a load on every core is switched on
     and off at random, puts every same-work eager strategy within +-10% of op_plus_x in every
@@ -226,7 +244,18 @@ def test_quick_report_under_a_load_switched_at_random(tmp_path):
     try:
         t0 = time.time()
         proc = subprocess.run(
-            [sys.executable, "-m", "plusequals", "report", "--quick", "--device", "cpu", "--out", str(out), "--no-unet"],
+            [
+                sys.executable,
+                "-m",
+                "plusequals",
+                "report",
+                "--quick",
+                "--device",
+                "cpu",
+                "--out",
+                str(out),
+                "--no-unet",
+            ],
             capture_output=True,
             text=True,
             timeout=900,
@@ -244,11 +273,16 @@ def test_quick_report_under_a_load_switched_at_random(tmp_path):
     worst = 0.0
     for p in data["paired"]:
         if p["variant"] in data["config"]["same_work"] and p["vs"] == "eager/op_plus_x":
-            lines.append(f"batch {p['batch']} {p['shape']} {p['variant']}: {p['median']:.3f} [{p['q1']:.3f}, {p['q3']:.3f}]{' within noise' if p['within_noise'] else ''}")
+            lines.append(
+                f"batch {p['batch']} {p['shape']} {p['variant']}: {p['median']:.3f} [{p['q1']:.3f}, "
+                f"{p['q3']:.3f}]{' within noise' if p['within_noise'] else ''}"
+            )
             worst = max(worst, abs(p["median"] - 1))
     drift = [f"batch {d['batch']} {d['shape']}: max/min {d['max_over_min']:.2f}" for d in data["drift"]]
     print("\n".join(lines + drift))
-    Path(os.environ.get("PLUSEQUALS_LOAD_TEST_LOG", tmp_path / "summary.txt")).write_text("\n".join(lines + drift) + "\n")
+    Path(os.environ.get("PLUSEQUALS_LOAD_TEST_LOG", tmp_path / "summary.txt")).write_text(
+        "\n".join(lines + drift) + "\n"
+    )
     assert 0.2 < on_s / (t1 - t0) < 0.8 and len(switches) > 10, lines[0]
     assert worst <= 0.10, "\n".join(lines)
     for sw in data["same_work"]:

@@ -57,7 +57,7 @@ def test_a_missing_tool_is_one_line_saying_how_to_get_it(tmp_path, missing, word
 
 
 def test_an_old_python_is_named_with_its_version(tmp_path):
-    bin_dir = fake_bin(tmp_path, have=("cargo", "g++"), scripts={"python3": 'echo 3.9; exit 0'})
+    bin_dir = fake_bin(tmp_path, have=("cargo", "g++"), scripts={"python3": "echo 3.9; exit 0"})
     rc, lines = preflight(tmp_path, bin_dir)
     assert rc == 1 and len(lines) == 1 and "Python 3.9" in lines[0] and ">= 3.11" in lines[0], lines
 

@@ -4,7 +4,7 @@ Rust side read it, are followed or refused, for ``RustBlock``, ``CppBlock`` and 
 Each case shows first that the change matters (the PyTorch block's output moves), then that the
 Rust side follows it (equal to the changed PyTorch block) or raises ``UnsupportedBlockError``
 naming it, and that undoing the change makes it work again. What each call compares, and what it
-costs, is ``plusequals.twin.faithful.Watch``.
+costs, is ``plusequals.twin.watch.Watch``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CONTEXT, make_block, make_inputs, randomize_, rel_err
 from torch import nn
 from torch.nn.modules.module import (
     register_module_forward_hook,
@@ -22,6 +21,7 @@ from torch.nn.modules.module import (
 from torch.utils.flop_counter import FlopCounterMode
 
 import compvis_reference
+from conftest import CONTEXT, make_block, make_inputs, randomize_, rel_err
 from plusequals import CppBlock, RustBlock, UnsupportedBlockError
 
 TOL = 1e-5
@@ -35,9 +35,9 @@ class Site:
         self.name = name
         if name == "swap":
             diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
-            from test_diffusers import REPLACED, make_inputs as unet_inputs, make_unet
-
             from plusequals import swap_transformer_blocks
+            from test_diffusers import REPLACED, make_unet
+            from test_diffusers import make_inputs as unet_inputs
 
             self.torch = self.rust = make_unet(diffusers)  # swapped in place; the handle keeps the originals
             self.inputs = unet_inputs()
@@ -114,8 +114,12 @@ GLOBAL_HOOKS = {
 @pytest.mark.parametrize("kind", list(GLOBAL_HOOKS))
 def test_a_global_hook_registered_later_is_refused_naming_it(site, kind):
     handle = []
-    follows_or_refuses(site, lambda: handle.append(GLOBAL_HOOKS[kind]()), lambda: handle.pop().remove(),
-                       f"global module {kind} hooks are registered")
+    follows_or_refuses(
+        site,
+        lambda: handle.append(GLOBAL_HOOKS[kind]()),
+        lambda: handle.pop().remove(),
+        f"global module {kind} hooks are registered",
+    )
 
 
 def test_a_global_backward_hook_is_refused_too():
@@ -169,8 +173,7 @@ def test_a_grown_sequential_is_refused(site, path):
     index, so a module appended there changes nothing: that refusal is stricter than needed."""
     seq = _sequential(site, path)
     matters = not (site.name == "swap" and path == "attn1.to_out")
-    follows_or_refuses(site, lambda: seq.append(nn.Tanh()), lambda: seq.__delitem__(len(seq) - 1),
-                       f"{path} ", matters)
+    follows_or_refuses(site, lambda: seq.append(nn.Tanh()), lambda: seq.__delitem__(len(seq) - 1), f"{path} ", matters)
 
 
 class DoubledLinear(nn.Linear):
@@ -183,8 +186,9 @@ class ShiftedLayerNorm(nn.LayerNorm):
         return super().forward(x) + 1
 
 
-@pytest.mark.parametrize("path,cls", [("attn1.to_q", DoubledLinear), ("norm1", ShiftedLayerNorm)],
-                         ids=["to_q", "norm1"])
+@pytest.mark.parametrize(
+    "path,cls", [("attn1.to_q", DoubledLinear), ("norm1", ShiftedLayerNorm)], ids=["to_q", "norm1"]
+)
 def test_a_swapped_class_is_refused(site, path, cls):
     module = site.block.get_submodule(path)
     original = type(module)

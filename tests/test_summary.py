@@ -11,7 +11,9 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console
 
-from plusequals import report, summary
+from plusequals.bench import analyse
+from plusequals.bench.results import fmt
+from plusequals.cli import summary
 
 
 def _data(quick_report):
@@ -26,7 +28,11 @@ def test_json_stdout_is_the_summary_alone(quick_report_run):
     assert printed == json.loads(json.dumps(rebuilt))
     assert printed["report"] == str(quick_report_run.out / "REPORT.md")
     assert printed["informational"] is True  # a CPU at quick shapes
-    assert {v["question"] for v in printed["verdicts"]} >= {"Is `+=` faster?", "Is Python the bottleneck?", "Rust or tch?"}
+    assert {v["question"] for v in printed["verdicts"]} >= {
+        "Is `+=` faster?",
+        "Is Python the bottleneck?",
+        "Rust or tch?",
+    }
     assert [t["target"] for t in printed["targets"]] == [t["target"] for t in _data(quick_report_run.out)["targets"]]
     noisy = [ln for ln in quick_report_run.stderr.splitlines() if any(w in ln.lower() for w in ("warning", "error"))]
     assert not noisy, noisy
@@ -64,7 +70,7 @@ def test_every_count_is_recomputed_from_the_paired_ratios(quick_report):
 )
 def test_the_answer_says_what_the_counts_say(counts, said):
     f, s, w = counts
-    assert report.answer({"cells": 4, "faster": f, "slower": s, "within_noise": w}) == said
+    assert analyse.answer({"cells": 4, "faster": f, "slower": s, "within_noise": w}) == said
 
 
 def _render(s: dict, width: int) -> list[str]:
@@ -98,7 +104,7 @@ def test_the_summary_reads_at_80_columns_with_every_verdict_and_target_whole(qui
         assert t["target"] in flat, t["target"]
         assert any(ln.startswith(t["state"]) for ln in lines), t
         if t["value"] is not None:
-            assert report.fmt(t["value"]) in text
+            assert fmt(t["value"]) in text
     assert s["report"] in flat
     # Nothing squeezed to a word per line: no three lines in a row hold a single word each.
     single = [len(ln.split()) == 1 for ln in lines]
@@ -107,7 +113,9 @@ def test_the_summary_reads_at_80_columns_with_every_verdict_and_target_whole(qui
 
 def test_summary_prints_a_finished_report_again_and_refuses_an_unfinished_one(quick_report, tmp_path):
     py = [sys.executable, "-m", "plusequals", "summary"]
-    again = subprocess.run([*py, str(quick_report)], capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"}, timeout=120)
+    again = subprocess.run(
+        [*py, str(quick_report)], capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"}, timeout=120
+    )
     assert again.returncode == 0, again.stderr
     assert "Verdicts" in again.stdout and "Targets" in again.stdout and "REPORT.md" in again.stdout
     as_json = subprocess.run([*py, str(quick_report), "--json"], capture_output=True, text=True, timeout=120)
@@ -118,4 +126,8 @@ def test_summary_prints_a_finished_report_again_and_refuses_an_unfinished_one(qu
     data = _data(quick_report) | {"complete": False}
     (tmp_path / "results.json").write_text(json.dumps(data))
     unfinished = subprocess.run([*py, str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert unfinished.returncode == 2 and "interrupted" in unfinished.stderr and len(unfinished.stderr.strip().splitlines()) == 1
+    assert (
+        unfinished.returncode == 2
+        and "interrupted" in unfinished.stderr
+        and len(unfinished.stderr.strip().splitlines()) == 1
+    )

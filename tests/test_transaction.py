@@ -24,14 +24,14 @@ import weakref
 
 import pytest
 import torch
-from boundary_helpers import CTX, D_HEAD, DIM, HEADS, assert_matches, same_bits, small_block, small_inputs
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from plusequals import CppBlock, DonatedTensor, RustBlock, _rust
+from boundary_helpers import CTX, D_HEAD, DIM, HEADS, assert_matches, same_bits, small_block, small_inputs
+from plusequals import CppBlock, DonatedTensor, DonationConsumed, OwnershipError, RustBlock, _rust
 
 ENTRIES = ["RustBlock", "CppBlock", "raw-rust", "raw-cpp"]
 
@@ -54,8 +54,14 @@ class Entry:
         elif name == "CppBlock":
             self.module = CppBlock.from_torch(self.block)
         else:
-            self.module = _rust.Block(dict(self.block.named_parameters()), dim=DIM, n_heads=HEADS, d_head=D_HEAD,
-                                      context_dim=self.block.context_dim, language=name.split("-")[1])
+            self.module = _rust.Block(
+                dict(self.block.named_parameters()),
+                dim=DIM,
+                n_heads=HEADS,
+                d_head=D_HEAD,
+                context_dim=self.block.context_dim,
+                language=name.split("-")[1],
+            )
         self.raw = name.startswith("raw")
 
     def owned(self, x, c, donate=True):
@@ -77,8 +83,15 @@ def entry(request):
 
 def record(t: torch.Tensor):
     """Everything a refusal must leave as it was: class, storage, layout, bytes."""
-    return (type(t), t.untyped_storage().data_ptr(), tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
-            t.detach().clone())
+    return (
+        type(t),
+        t.untyped_storage().data_ptr(),
+        tuple(t.shape),
+        t.stride(),
+        t.storage_offset(),
+        t.dtype,
+        t.detach().clone(),
+    )
 
 
 def assert_intact(x, before, entry: Entry, c=None):
@@ -86,7 +99,12 @@ def assert_intact(x, before, entry: Entry, c=None):
     cls, ptr, shape, stride, offset, dtype, data = before
     assert type(x) is cls and not isinstance(x, DonatedTensor), type(x)
     assert (x.untyped_storage().data_ptr(), tuple(x.shape), x.stride(), x.storage_offset(), x.dtype) == (
-        ptr, shape, stride, offset, dtype)
+        ptr,
+        shape,
+        stride,
+        offset,
+        dtype,
+    )
     assert same_bits(x, data), "x's bytes changed"
     assert_matches(entry.owned(x, c, donate=False), entry.expected(data, c))
 
@@ -115,8 +133,9 @@ def test_a_weak_reference_to_the_storage_is_an_owner(entry, make):
     x, c = small_inputs()
     held = make(x)
     before = record(x)
-    with pytest.raises(ValueError, match="^x refused for an in-place write: it has 1 weak reference") as info:
+    with pytest.raises(OwnershipError) as info:
         entry.owned(x, c)
+    assert (info.value.arg, info.value.why, info.value.count) == ("x", "weak_refs", 1)
     assert "nothing was donated" in str(info.value)
     assert_intact(x, before, entry, c)
     del held
@@ -205,8 +224,8 @@ def test_a_thread_upgrading_a_storage_weak_ref_never_sees_a_write(language):
         for _ in range(200):
             try:
                 entry.owned(x, c)
-            except ValueError as e:
-                assert "weak reference" in str(e)
+            except OwnershipError as e:
+                assert e.why == "weak_refs"
                 refused += 1
     finally:
         stop.set()
@@ -232,18 +251,23 @@ class KeepEverything(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("mode", [lambda: FlopCounterMode(display=False), KeepEverything], ids=["FlopCounterMode", "KeepEverything"])
+@pytest.mark.parametrize(
+    "mode", [lambda: FlopCounterMode(display=False), KeepEverything], ids=["FlopCounterMode", "KeepEverything"]
+)
 def test_under_a_dispatch_mode_donation_is_refused_naming_it_and_the_rest_is_exact(entry, mode):
     x, c = small_inputs()
     before = record(x)
     expected = entry.expected(x, c)
     with mode() as m:
-        with pytest.raises(ValueError, match="TorchDispatchMode is active") as info:
+        with pytest.raises(OwnershipError) as info:
             entry.owned(x, c)
-        assert ("FlopCounterMode" in str(info.value)) or ("KeepEverything" in str(info.value)), str(info.value)
+        assert (info.value.arg, info.value.why) == ("x", "dispatch_modes"), info.value
+        assert {"_FlopCounterMode", "KeepEverything"} & set(info.value.modes), info.value.modes
+        assert any(name in str(info.value) for name in info.value.modes)  # the message names the mode
         if entry.raw:  # no custom op to route through: the raw in-place forward refuses too
-            with pytest.raises(ValueError, match="TorchDispatchMode is active"):
+            with pytest.raises(OwnershipError) as info:
                 entry.owned(x, c, donate=False)
+            assert info.value.why == "dispatch_modes"
         else:
             assert same_bits(entry.owned(x, c, donate=False), expected)
         assert same_bits(entry.forward(x, c).detach(), expected)
@@ -274,8 +298,10 @@ def test_under_a_function_mode_the_block_is_one_op_and_donation_is_refused(name)
     with SeeTorchCalls() as mode:
         assert same_bits(entry.forward(x, c).detach(), expected)
         assert same_bits(entry.owned(x, c, donate=False), expected)
-        with pytest.raises(ValueError, match=r"TorchFunctionMode is active \(SeeTorchCalls\)"):
+        with pytest.raises(OwnershipError) as info:
             entry.owned(x, c)
+        assert (info.value.why, info.value.modes) == ("function_modes", ["SeeTorchCalls"])
+        assert "TorchFunctionMode is active (SeeTorchCalls)" in str(info.value)
     assert "block_forward" in " ".join(mode.calls), mode.calls
     assert_intact(x, before, entry, c)
     with torch.device("cpu"):
@@ -333,8 +359,10 @@ def test_a_subclass_with_its_own_torch_function_sees_the_block_as_an_op(name):
     assert type(got) is Logged and same_bits(got.as_subclass(torch.Tensor), expected)
     assert any("block_forward" in call for call in Logged.calls), Logged.calls
     before = record(x)
-    with pytest.raises(ValueError, match="x is a Logged, a tensor subclass with its own __torch_function__"):
+    with pytest.raises(OwnershipError) as info:
         entry.owned(x, c)
+    assert (info.value.arg, info.value.why) == ("x", "torch_function_subclass")
+    assert "x is a Logged" in str(info.value)
     assert type(x) is Logged and same_bits(x, before[-1])
 
 
@@ -355,8 +383,9 @@ def test_a_torch_dispatch_subclass_gives_the_pytorch_result_or_is_refused(entry,
     if not entry.raw:
         got = entry.owned(xs, cs, donate=False)
         assert isinstance(got, TwoTensor) and same_bits(got.a, expected.a) and same_bits(got.b, expected.b)
-    with pytest.raises(ValueError, match="(TwoTensor, a tensor subclass|tensor subclass with __torch_dispatch__)"):
+    with pytest.raises(OwnershipError) as info:
         entry.owned(xs, cs)
+    assert (info.value.arg, info.value.why) == (which, "python_subclass"), info.value
     assert not isinstance(xs, DonatedTensor)
     target = xs if which == "x" else x
     assert same_bits(target.a if which == "x" else target, x)
@@ -377,13 +406,14 @@ def test_functorch_transforms_get_a_clear_exception_from_the_in_place_forward(en
     def f(v):
         return entry.owned(v, c, donate=donate)
 
-    with pytest.raises(ValueError, match="functorch-wrapped tensor"):
+    with pytest.raises(OwnershipError) as info:
         if transform == "vmap":
             torch.func.vmap(f)(xs)
         elif transform == "jvp":
             torch.func.jvp(f, (x,), (torch.ones_like(x),))
         else:
             torch.func.grad(lambda v: f(v).sum())(x)
+    assert (info.value.arg, info.value.why) == ("x", "functorch")
     assert same_bits(xs, before)
 
 
@@ -445,13 +475,14 @@ def test_a_weight_written_by_another_thread_during_a_donation_is_never_lost():
     outcomes = collections.Counter()
     deadline = time.monotonic() + 120
     try:
-        while (sum(outcomes.values()) < 200 or min(outcomes["exact"], outcomes["consumed"]) == 0) \
-                and time.monotonic() < deadline:
+        while (
+            sum(outcomes.values()) < 200 or min(outcomes["exact"], outcomes["consumed"]) == 0
+        ) and time.monotonic() < deadline:
             x = x0.clone()
             try:
                 y = entry.owned(x, c)
-            except RuntimeError as e:
-                assert "x was donated and its buffer consumed" in str(e) and "written in place" in str(e), str(e)
+            except DonationConsumed as e:
+                assert "written in place" in str(e), str(e)  # why the result was discarded
                 assert isinstance(x, DonatedTensor)
                 outcomes["consumed"] += 1
                 continue
@@ -482,7 +513,7 @@ def test_a_failure_before_the_first_write_puts_the_buffer_back(entry):
 def test_a_failure_after_the_first_write_marks_x_and_says_its_buffer_was_consumed(entry):
     x, c = small_inputs()
     _rust._fail_next_forward_owned_at("after_first_write")
-    with pytest.raises(RuntimeError, match="x was donated and its buffer consumed.*injected at AfterFirstWrite") as e:
+    with pytest.raises(DonationConsumed, match="injected at AfterFirstWrite") as e:
         entry.owned(x, c)
     assert "discarded" in str(e.value)
     assert_donated(x)
@@ -552,8 +583,11 @@ def test_saved_tensor_hooks_hold_the_python_object_and_backward_fails_loudly(hoo
     so the backward that unpacks it raises; it never computes a gradient from the output."""
     x, c = small_inputs()
     w = torch.randn(DIM, requires_grad=True)
-    ctx = (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if hooks == "identity"
-           else torch.autograd.graph.save_on_cpu())
+    ctx = (
+        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        if hooks == "identity"
+        else torch.autograd.graph.save_on_cpu()
+    )
     with ctx:
         loss = (x * w).sum()  # mul saves x for w's gradient
     entry = Entry("RustBlock")

@@ -1,35 +1,46 @@
 """plusequals: the Stable Diffusion v1 residual block in PyTorch and in Rust, and what ``+=`` does to it.
 
+The package mirrors the parts: :mod:`plusequals.model` (the PyTorch block and its twins that need
+no Rust), :mod:`plusequals.twin` (the bridge to the Rust and C++ twins), :mod:`plusequals.bench`
+(measure, analyse, render) and :mod:`plusequals.cli` (``python -m plusequals``). The exception
+classes are made in Rust and re-exported here (:mod:`plusequals.errors`).
+
 Import torch before the extension: ``plusequals._rust`` unwraps ``torch.Tensor`` objects and
 needs torch's Python classes registered.
 """
 
 import torch  # noqa: F401  (must precede the extension)
 
-from .model.blocks import STRATEGIES, BasicTransformerBlock, CrossAttention, FeedForward, GEGLU
-from .twin import aliases
-from .twin.block import CppBlock, DonatedTensor, RustBlock
+from .errors import DonationConsumed, OwnershipError, StaleBlock, UnsupportedBlockError, WeightsChanged
+from .model.blocks import GEGLU, STRATEGIES, BasicTransformerBlock, CrossAttention, FeedForward
+from .twin.block import CppBlock, RustBlock
+from .twin.config import BlockConfig
+from .twin.donated import DonatedTensor
 from .twin.swap import (  # imports diffusers only when called: diffusers stays optional
     RustTransformerBlock,
     SwapHandle,
-    UnsupportedBlockError,
     sd_v1_unet_config,
     swap_transformer_blocks,
     unswap_transformer_blocks,
 )
 
 __all__ = [
-    "CppBlock",
     "STRATEGIES",
     "BasicTransformerBlock",
+    "BlockConfig",
+    "CppBlock",
     "CrossAttention",
+    "DonatedTensor",
+    "DonationConsumed",
     "FeedForward",
     "GEGLU",
+    "OwnershipError",
     "RustBlock",
-    "DonatedTensor",
     "RustTransformerBlock",
+    "StaleBlock",
     "SwapHandle",
     "UnsupportedBlockError",
+    "WeightsChanged",
     "sd_v1_unet_config",
     "swap_transformer_blocks",
     "unswap_transformer_blocks",

@@ -1,28 +1,57 @@
-"""Stub for the extension module built from rust/python.rs (PyO3 glue over rust/block.rs)."""
+"""Stub for the extension module built from rust/python.rs (PyO3 glue over rust/block.rs).
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+Checked against the built module by mypy's stubtest (tests/test_architecture.py)."""
+
+from typing import Any, Dict, List, Mapping, Optional, Tuple, final
 
 from torch import Tensor
+
+__all__ = [
+    "Block",
+    "DonationConsumed",
+    "OwnershipError",
+    "RUSTC_VERSION",
+    "StaleBlock",
+    "TCH_VERSION",
+    "UnsupportedBlockError",
+    "Watch",
+    "WeightsChanged",
+    "_fail_next_forward_owned_at",
+    "alias_routes",
+    "cpp_gallery",
+    "tensor_facts",
+]
 
 TCH_VERSION: str
 RUSTC_VERSION: str
 
-class StaleBlock(ValueError): ...
+class OwnershipError(ValueError):
+    arg: str
+    why: str
+    count: Optional[int]
+    modes: List[str]
 
+class UnsupportedBlockError(ValueError): ...
+class StaleBlock(ValueError): ...
+class WeightsChanged(RuntimeError): ...
+class DonationConsumed(RuntimeError): ...
+
+@final
 class Watch:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         same: List[Tuple[Dict[Any, Any], Any, Any]],
         classes: List[Tuple[Any, type]],
         sizes: List[Tuple[Dict[Any, Any], int]],
         empty: List[Dict[Any, Any]],
         keys: List[Tuple[Dict[Any, Any], List[Any]]],
-    ) -> None: ...
+    ) -> Watch: ...
     def unchanged(self) -> bool: ...
 
+@final
 class Block:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         weights: Mapping[str, Tensor],
         *,
         dim: int,
@@ -32,7 +61,7 @@ class Block:
         gated_ff: bool = True,
         attention: str = "sdpa",
         language: str = "rust",
-    ) -> None: ...
+    ) -> Block: ...
     def forward(self, x: Tensor, context: Optional[Tensor] = None, watch: Optional[Watch] = None) -> Tensor: ...
     def forward_owned(
         self, x: Tensor, context: Optional[Tensor] = None, donate: bool = False, watch: Optional[Watch] = None
@@ -40,7 +69,12 @@ class Block:
     def echo(self, x: Tensor, context: Optional[Tensor] = None) -> Tensor: ...
     def donation_check(self, x: Tensor, context: Optional[Tensor] = None) -> None: ...
     def forward_loop(
-        self, x: Tensor, context: Optional[Tensor] = None, n: int = 1, owned: bool = False, watch: Optional[Watch] = None
+        self,
+        x: Tensor,
+        context: Optional[Tensor] = None,
+        n: int = 1,
+        owned: bool = False,
+        watch: Optional[Watch] = None,
     ) -> Tensor: ...
 
 def alias_routes() -> List[Tuple[str, str]]: ...

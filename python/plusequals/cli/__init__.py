@@ -13,15 +13,38 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.add_parser("report", help="the benchmark report: REPORT.md, results.json, plots")
     report.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available, else cpu")
     size = report.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", default=None, help="small shapes, about two minutes on 2 CPU cores (the CPU default)")
-    size.add_argument("--full", dest="quick", action="store_false", help="SD v1 shapes (the CUDA default; long on a CPU)")
+    size.add_argument(
+        "--quick",
+        action="store_true",
+        default=None,
+        help="small shapes, about two minutes on 2 CPU cores (the CPU default)",
+    )
+    size.add_argument(
+        "--full", dest="quick", action="store_false", help="SD v1 shapes (the CUDA default; long on a CPU)"
+    )
     report.add_argument("--out", default="report", help="output directory (default: ./report)")
     report.add_argument("--no-unet", action="store_true", help="skip the full-UNet-step comparison")
-    report.add_argument("--no-compile", action="store_true", help="skip torch.compile (its compile time dominates a GPU run)")
-    report.add_argument("--no-compilers", action="store_true", help="skip the JAX and ONNX Runtime rows (extra plusequals[compilers])")
+    report.add_argument(
+        "--no-compile", action="store_true", help="skip torch.compile (its compile time dominates a GPU run)"
+    )
+    report.add_argument(
+        "--no-compilers", action="store_true", help="skip the JAX and ONNX Runtime rows (extra plusequals[compilers])"
+    )
     output = report.add_mutually_exclusive_group()
-    output.add_argument("--quiet", dest="output", action="store_const", const="quiet", help="no progress, no summary: print REPORT.md's path")
-    output.add_argument("--json", dest="output", action="store_const", const="json", help="no progress: print the summary as JSON on stdout")
+    output.add_argument(
+        "--quiet",
+        dest="output",
+        action="store_const",
+        const="quiet",
+        help="no progress, no summary: print REPORT.md's path",
+    )
+    output.add_argument(
+        "--json",
+        dest="output",
+        action="store_const",
+        const="json",
+        help="no progress: print the summary as JSON on stdout",
+    )
     summary = sub.add_parser("summary", help="the verdicts and targets of a finished report, again")
     summary.add_argument("dir", nargs="?", default="report", help="the report's directory (default: ./report)")
     summary.add_argument("--json", action="store_true", help="the summary as JSON on stdout")
@@ -31,10 +54,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(skip_compile_fail=args.skip_compile_fail)
     if args.command == "summary":
-        from ..summary import main as show_summary
+        from .summary import main as show_summary
 
         return show_summary(args.dir, args.json)
-    from ..report import run as run_report
+    from .report import run as run_report
 
     return run_report(
         device=args.device,
@@ -45,4 +68,3 @@ def main(argv: list[str] | None = None) -> int:
         compilers_flag=not args.no_compilers,
         output=args.output or "rich",
     )
-

@@ -17,8 +17,11 @@ from typing import Optional
 import torch
 from rich.console import Console
 
+from .. import _rust
 from ..model import bugs
 from ..model.blocks import STRATEGIES
+from ..twin import aliases
+from ..twin.block import RustBlock
 from .terminal import Rows
 
 REPO = Path(__file__).resolve().parents[3]
@@ -76,7 +79,15 @@ def check_cases(cases: list[Case], console: Console) -> dict[str, tuple[list[str
         manifest += ["", "[[bin]]", f'name = "{b}"', f"path = {json.dumps(str(UI / (b + '.rs')))}"]
     (project / "Cargo.toml").write_text("\n".join(manifest) + "\n")
     shutil.copy(REPO / "Cargo.lock", project / "Cargo.lock")
-    cmd = ["cargo", "check", "--bins", "--keep-going", "--message-format=json", "--manifest-path", str(project / "Cargo.toml")]
+    cmd = [
+        "cargo",
+        "check",
+        "--bins",
+        "--keep-going",
+        "--message-format=json",
+        "--manifest-path",
+        str(project / "Cargo.toml"),
+    ]
     with console.status("cargo check on the compile-fail cases (the first run builds torch-sys: a minute or two)"):
         proc = subprocess.run(cmd, capture_output=True, text=True, env=cargo_env())
     found: dict[str, tuple[list[str], str]] = {b: ([], "") for b in bins}
@@ -99,6 +110,7 @@ def check_cases(cases: list[Case], console: Console) -> dict[str, tuple[list[str
 
 
 def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> int:
+    """Every section in turn; 1 if any expectation failed (each check is named in the output)."""
     console = console or Console()
     failures: list[str] = []
 
@@ -108,18 +120,47 @@ def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> i
         return "[green]as expected[/]" if ok else "[bold red]UNEXPECTED[/]"
 
     console.rule("[bold]1. The caller's tensor (inference)")
+    _caller_aliasing(console, verdict)
+    console.rule("[bold]2. Autograd (a textual-inversion loop)")
+    _training(console, verdict)
+    console.rule("[bold]3. The same bugs in Rust: refused by rustc")
+    if skip_compile_fail:
+        console.print("[yellow]skipped (--skip-compile-fail)[/]")
+    elif not (UI / "cases.txt").exists() or shutil.which("cargo") is None:
+        console.print(f"[bold red]needs the source checkout (tests/ui under {REPO}) and cargo on PATH[/]")
+        failures.append("compile-fail: no source tree or cargo")
+    else:
+        _compile_fail(console, verdict)
+    console.rule("[bold]4. The runtime mirror at the Python boundary (RustBlock)")
+    _runtime_mirror(console, verdict)
+    console.rule("[bold]5. Every alias route: PyTorch, rustc, run time (live)")
+    _alias_routes(console, verdict)
+
+    console.rule()
+    if failures:
+        console.print(f"[bold red]{len(failures)} expectation(s) failed:[/] {', '.join(failures)}")
+        return 1
+    console.print("[bold green]every bug reproduced in PyTorch and refused in Rust, as expected[/]")
+    return 0
+
+
+def _caller_aliasing(console: Console, verdict) -> None:
     console.print("A caller keeps `skip = x`, calls the block, then reads `skip`.\n")
     t = Rows("strategy", "caller's x after the call", "max |change|", "check")
     for s in STRATEGIES:
         r = bugs.caller_aliasing(s)
         seen = "[red]MUTATED[/]" if r.caller_mutated else "unchanged"
-        t.add_row(s, seen, f"{r.max_change:.3g}", verdict(r.caller_mutated == bugs.EXPECTED[s].caller_mutated, f"aliasing/{s}"))
+        ok = r.caller_mutated == bugs.EXPECTED[s].caller_mutated
+        t.add_row(s, seen, f"{r.max_change:.3g}", verdict(ok, f"aliasing/{s}"))
     t.print(console)
     shares = bugs.copy_copy_shares_storage()
     console.print(f"copy.copy(x) shares x's storage: [bold]{shares}[/] ({verdict(shares, 'copy.copy')})\n")
 
-    console.rule("[bold]2. Autograd (a textual-inversion loop)")
-    console.print("learnable embedding -> block -> MSE -> backward -> SGD step, 3 steps; then with CompVis checkpointing.\n")
+
+def _training(console: Console, verdict) -> None:
+    console.print(
+        "learnable embedding -> block -> MSE -> backward -> SGD step, 3 steps; then with CompVis checkpointing.\n"
+    )
     t = Rows("strategy", "checkpoint", "result", "check", key=(0, 1, -1))
     for ckpt in (False, True):
         for s in STRATEGIES:
@@ -133,54 +174,36 @@ def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> i
     msg = bugs.leaf_iadd()
     console.print(f"iadd on a leaf that requires grad: [red]{msg}[/] ({verdict(msg.startswith(bugs.LEAF), 'leaf')})\n")
 
-    console.rule("[bold]3. The same bugs in Rust: refused by rustc")
-    if skip_compile_fail:
-        console.print("[yellow]skipped (--skip-compile-fail)[/]")
-    elif not (UI / "cases.txt").exists() or shutil.which("cargo") is None:
-        console.print(f"[bold red]needs the source checkout (tests/ui under {REPO}) and cargo on PATH[/]")
-        failures.append("compile-fail: no source tree or cargo")
-    else:
-        cases = read_cases()
-        found = check_cases(cases, console)
-        from .. import _rust
 
-        cpp = {name: (happened, what) for name, happened, what in _rust.cpp_gallery()}
-        t = Rows("case (tests/ui/)", "PyTorch bug it mirrors", "expected", "rustc said", "fixed twin", "C++ (cpp/gallery.cpp)", "check")
-        for c in cases:
-            codes, _ = found[c.name]
-            twin_codes, _ = found[f"{c.name}_fixed"]
-            happened, _ = cpp.get(c.name, (False, "missing"))
-            ok = codes[:1] == [c.code] and not twin_codes and happened
-            cpp_cell = "compiles; bug at run time" if happened else "[red]no bug?[/]"
-            t.add_row(c.name, c.mirrors, c.code, ", ".join(codes) or "compiled!", "compiles" if not twin_codes else ", ".join(twin_codes), cpp_cell, verdict(ok, f"rustc/{c.name}"))
-        t.print(console)
-        for c in cases:
-            codes, rendered = found[c.name]
-            if rendered:
-                console.print(f"[bold]{c.name}.rs[/]")
-                console.print("\n".join(rendered.splitlines()[:8]), markup=False, highlight=False)
-        console.print(
-            "\nrustc sees Rust values and borrows only. A second handle made by tch (`shallow_clone`, `detach`, a view), "
-            "autograd's saved tensors and memory owned by numpy are invisible to it: section 5 shows run time taking over."
+def _compile_fail(console: Console, verdict) -> None:
+    cases = read_cases()
+    found = check_cases(cases, console)
+    cpp = {name: (happened, what) for name, happened, what in _rust.cpp_gallery()}
+    columns = ("case (tests/ui/)", "PyTorch bug it mirrors", "expected", "rustc said", "fixed twin")
+    t = Rows(*columns, "C++ (cpp/gallery.cpp)", "check")
+    for c in cases:
+        codes, _ = found[c.name]
+        twin_codes, _ = found[f"{c.name}_fixed"]
+        happened, _ = cpp.get(c.name, (False, "missing"))
+        ok = codes[:1] == [c.code] and not twin_codes and happened
+        cpp_cell = "compiles; bug at run time" if happened else "[red]no bug?[/]"
+        twin = "compiles" if not twin_codes else ", ".join(twin_codes)
+        t.add_row(
+            c.name, c.mirrors, c.code, ", ".join(codes) or "compiled!", twin, cpp_cell, verdict(ok, f"rustc/{c.name}")
         )
-
-    console.rule("[bold]4. The runtime mirror at the Python boundary (RustBlock)")
-    _runtime_mirror(console, verdict)
-
-    console.rule("[bold]5. Every alias route: PyTorch, rustc, run time (live)")
-    _alias_routes(console, verdict)
-
-    console.rule()
-    if failures:
-        console.print(f"[bold red]{len(failures)} expectation(s) failed:[/] {', '.join(failures)}")
-        return 1
-    console.print("[bold green]every bug reproduced in PyTorch and refused in Rust, as expected[/]")
-    return 0
+    t.print(console)
+    for c in cases:
+        codes, rendered = found[c.name]
+        if rendered:
+            console.print(f"[bold]{c.name}.rs[/]")
+            console.print("\n".join(rendered.splitlines()[:8]), markup=False, highlight=False)
+    console.print(
+        "\nrustc sees Rust values and borrows only. A second handle made by tch (`shallow_clone`, `detach`, a view), "
+        "autograd's saved tensors and memory owned by numpy are invisible to it: section 5 shows run time taking over."
+    )
 
 
 def _alias_routes(console: Console, verdict) -> None:
-    from ..twin import aliases
-
     console.print(
         "Each way to reach x's memory through a second name. Run time: what `forward_owned` / `add_in_place` / a "
         "donation did just now (rust/aliases.rs, plusequals.twin.aliases).\n"
@@ -194,8 +217,6 @@ def _alias_routes(console: Console, verdict) -> None:
 
 
 def _runtime_mirror(console: Console, verdict) -> None:
-    from ..twin.block import RustBlock
-
     block = bugs.small_block()
     rust = RustBlock.from_torch(block)
     x, c = torch.randn(2, 16, 32), torch.randn(2, 7, 24)
@@ -208,7 +229,10 @@ def _runtime_mirror(console: Console, verdict) -> None:
     with torch.no_grad():
         keep = x.clone()
         rust.forward_owned(x, c)
-        console.print(f"forward_owned(x, donate=False): caller's x unchanged: {torch.equal(x, keep)} ({verdict(torch.equal(x, keep), 'mirror/copy')})")
+        console.print(
+            f"forward_owned(x, donate=False): caller's x unchanged: {torch.equal(x, keep)} "
+            f"({verdict(torch.equal(x, keep), 'mirror/copy')})"
+        )
         rust.forward_owned(x, c, donate=True)
         try:
             x.sum()

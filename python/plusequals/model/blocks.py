@@ -93,7 +93,9 @@ class GEGLU(nn.Module):
 class FeedForward(nn.Module):
     """``net = [GEGLU | Linear+GELU, Dropout, Linear]``, inner width ``mult * dim``."""
 
-    def __init__(self, dim: int, dim_out: Optional[int] = None, mult: int = 4, glu: bool = False, dropout: float = 0.0) -> None:
+    def __init__(
+        self, dim: int, dim_out: Optional[int] = None, mult: int = 4, glu: bool = False, dropout: float = 0.0
+    ) -> None:
         super().__init__()
         inner_dim = int(dim * mult)
         dim_out = dim if dim_out is None else dim_out

@@ -139,7 +139,16 @@ class CrossAttention(Module):
 
     _static = ("heads", "scale", "attention")
 
-    def __init__(self, to_q: Linear, to_k: Linear, to_v: Linear, to_out: Sequential, heads: int, dim_head: int, attention: str = "sdpa") -> None:
+    def __init__(
+        self,
+        to_q: Linear,
+        to_k: Linear,
+        to_v: Linear,
+        to_out: Sequential,
+        heads: int,
+        dim_head: int,
+        attention: str = "sdpa",
+    ) -> None:
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         self.scale = dim_head**-0.5
@@ -336,7 +345,9 @@ class BasicTransformerBlock(Module):
         )  # fmt: skip
 
     @classmethod
-    def from_torch(cls, block: Any, *, residual: Optional[str] = None, dtype: Any = None, device: Any = None) -> "BasicTransformerBlock":
+    def from_torch(
+        cls, block: Any, *, residual: Optional[str] = None, dtype: Any = None, device: Any = None
+    ) -> "BasicTransformerBlock":
         """The twin of a ``plusequals.BasicTransformerBlock`` (weights copied from its
         ``state_dict()``; later changes to the PyTorch block are not seen)."""
         return cls.from_state_dict(
@@ -373,7 +384,12 @@ def _to_jax(t: Any, dtype: Any, device: Any) -> jax.Array:
 
         src = t.detach().to("cpu")
         if dtype is None:
-            dtype = {torch.float32: jnp.float32, torch.float16: jnp.float16, torch.bfloat16: jnp.bfloat16, torch.float64: jnp.float64}.get(src.dtype)
+            dtype = {
+                torch.float32: jnp.float32,
+                torch.float16: jnp.float16,
+                torch.bfloat16: jnp.bfloat16,
+                torch.float64: jnp.float64,
+            }.get(src.dtype)
             if dtype is None:
                 raise ValueError(f"unsupported dtype {src.dtype}")
         t = src.to(torch.float64 if src.dtype == torch.float64 else torch.float32).numpy()

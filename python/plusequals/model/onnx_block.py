@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import tempfile
-import logging
 import warnings
 from typing import Any, Optional
 
@@ -86,7 +86,13 @@ def export(
             registry.setLevel(logging.ERROR)
             try:
                 program = torch.onnx.export(
-                    module, args, dynamo=True, input_names=names, output_names=[OUTPUT], opset_version=opset, verbose=False
+                    module,
+                    args,
+                    dynamo=True,
+                    input_names=names,
+                    output_names=[OUTPUT],
+                    opset_version=opset,
+                    verbose=False,
                 )
             finally:
                 registry.setLevel(level)
@@ -99,7 +105,11 @@ def export(
 
 
 def session_options(
-    threads: Optional[int] = None, *, mem_reuse: bool = True, mem_pattern: bool = True, profile_prefix: Optional[str] = None
+    threads: Optional[int] = None,
+    *,
+    mem_reuse: bool = True,
+    mem_pattern: bool = True,
+    profile_prefix: Optional[str] = None,
 ) -> "ort.SessionOptions":
     """ORT session options: ``threads`` intra-op threads (default: torch's, so that the report
     compares like with like), ORT's own defaults otherwise."""
@@ -175,7 +185,9 @@ class OnnxBlock:
         return next(o.version for o in onnx.load_from_string(self.model).opset_import if o.domain in ("", "ai.onnx"))
 
 
-def memory_profile(model: bytes, x: Any, context: Any = None, *, mem_reuse: bool = True, threads: Optional[int] = None) -> dict:
+def memory_profile(
+    model: bytes, x: Any, context: Any = None, *, mem_reuse: bool = True, threads: Optional[int] = None
+) -> dict:
     """What ORT's allocation planner did on one run, from ORT's own profiler (memory patterns
     off, so that the run allocates node by node):
 
@@ -210,7 +222,13 @@ def memory_profile(model: bytes, x: Any, context: Any = None, *, mem_reuse: bool
         a = e["args"]
         ins = [next(iter(s.values())) for s in a.get("input_type_shape", [])]
         if a.get("op_name") == "Add" and len(ins) == 2 and ins[0] == ins[1] == shape:
-            adds.append({"node": e["name"][: -len("_kernel_time")], "output_bytes": int(a["output_size"]), "new_bytes": int(a["mem_in_use_delta"])})
+            adds.append(
+                {
+                    "node": e["name"][: -len("_kernel_time")],
+                    "output_bytes": int(a["output_size"]),
+                    "new_bytes": int(a["mem_in_use_delta"]),
+                }
+            )
     first = nodes[0]["args"]
     base = int(first["mem_bytes_in_use"]) - int(first["mem_in_use_delta"])
     return {

@@ -25,6 +25,8 @@ import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..errors import OwnershipError
+
 Made = Tuple[Tensor, List[Any], Optional[Tensor]]
 
 
@@ -33,8 +35,8 @@ class PyRoute:
     name: str
     code: str
     make: Callable[[Tensor, Optional[Tensor]], Made]  # -> (x to donate, other names, context)
-    refused_arg: str  # the argument the refusal names
-    why: str  # a word both the Python and the Rust refusal contain
+    refused_arg: str  # the argument the refusal names (OwnershipError.arg)
+    why: str  # the kind of second name the refusal reports (OwnershipError.why)
     pytorch: str = "silent: the other name reads the block's output"
 
 
@@ -95,21 +97,21 @@ def _storage_weak_ref(x: Tensor, c: Optional[Tensor]) -> Made:
 
 
 PY_ROUTES = [
-    PyRoute("view kept", "kept = x.view(-1)", lambda x, c: (x, [x.view(-1)], c), "x", "view"),
+    PyRoute("view kept", "kept = x.view(-1)", lambda x, c: (x, [x.view(-1)], c), "x", "other_handles"),
     PyRoute("x is a view", "x = base.view(shape)", _is_a_view, "x", "view"),
-    PyRoute("slice kept (skip)", "skip = x[:, :3]", lambda x, c: (x, [x[:, :3]], c), "x", "view"),
-    PyRoute("transpose kept", "kept = x.transpose(1, 2)", lambda x, c: (x, [x.transpose(1, 2)], c), "x", "view"),
-    PyRoute("detach kept", "kept = x.detach()", lambda x, c: (x, [x.detach()], c), "x", "detach"),
-    PyRoute("copy.copy kept", "kept = copy.copy(x)", lambda x, c: (x, [copy.copy(x)], c), "x", "storage"),
-    PyRoute("context overlaps x", "context = x[..., :12]", _context_overlaps, "context", "overlaps x"),
-    PyRoute("numpy memory", "x = torch.from_numpy(a)", _numpy, "x", "numpy"),
-    PyRoute("x.numpy() kept", "a = x.numpy()", lambda x, c: (x, [x.numpy()], c), "x", "numpy"),
-    PyRoute("dlpack memory", "x = torch.from_dlpack(a)", _dlpack, "x", "dlpack"),
-    PyRoute("frombuffer memory", "x = torch.frombuffer(buf, ...)", _frombuffer, "x", "frombuffer"),
-    PyRoute("weakref to the storage kept", "r = weakref.ref(x.untyped_storage())", _python_weakref, "x",
-            "weak reference"),
-    PyRoute("StorageWeakRef kept", "r = StorageWeakRef(x.untyped_storage())", _storage_weak_ref, "x",
-            "weak reference"),
+    PyRoute("slice kept (skip)", "skip = x[:, :3]", lambda x, c: (x, [x[:, :3]], c), "x", "other_handles"),
+    PyRoute(
+        "transpose kept", "kept = x.transpose(1, 2)", lambda x, c: (x, [x.transpose(1, 2)], c), "x", "other_handles"
+    ),
+    PyRoute("detach kept", "kept = x.detach()", lambda x, c: (x, [x.detach()], c), "x", "shared_storage"),
+    PyRoute("copy.copy kept", "kept = copy.copy(x)", lambda x, c: (x, [copy.copy(x)], c), "x", "shared_storage"),
+    PyRoute("context overlaps x", "context = x[..., :12]", _context_overlaps, "context", "overlaps_x"),
+    PyRoute("numpy memory", "x = torch.from_numpy(a)", _numpy, "x", "foreign_memory"),
+    PyRoute("x.numpy() kept", "a = x.numpy()", lambda x, c: (x, [x.numpy()], c), "x", "not_resizable"),
+    PyRoute("dlpack memory", "x = torch.from_dlpack(a)", _dlpack, "x", "foreign_memory"),
+    PyRoute("frombuffer memory", "x = torch.frombuffer(buf, ...)", _frombuffer, "x", "foreign_memory"),
+    PyRoute("weakref to the storage kept", "r = weakref.ref(x.untyped_storage())", _python_weakref, "x", "weak_refs"),
+    PyRoute("StorageWeakRef kept", "r = StorageWeakRef(x.untyped_storage())", _storage_weak_ref, "x", "weak_refs"),
 ]
 
 
@@ -140,65 +142,195 @@ TABLE = [
     Row("use after the move", "silent", "E0382", "-", "`tests/ui/use_after_move.rs`"),
     Row("a second `&mut`", "silent", "E0499", "-", "`tests/ui/two_mutable_paths.rs`"),
     Row("`&x` mutated with a tch `&mut self` op", "silent", "E0596", "-", "`tests/ui/mutate_borrowed_input.rs`"),
-    Row("`shallow_clone`", "silent (`copy.copy`)", "compiles", "rust:shallow_clone",
-        f"`tests/shallow_clone.rs`, {_RUST}", "refused: 1 other handle"),
+    Row(
+        "`shallow_clone`",
+        "silent (`copy.copy`)",
+        "compiles",
+        "rust:shallow_clone",
+        f"`tests/shallow_clone.rs`, {_RUST}",
+        "refused: 1 other handle",
+    ),
     Row("`detach`", "silent", "compiles", "rust:detach", f"{_RUST}, {_PY}", "refused: storage shared with 1"),
-    Row("`view` / `reshape`", "silent", "compiles", "rust:view / reshape", f"{_RUST}, {_PY}",
-        "refused: 1 other handle (the view holds its base)"),
-    Row("`narrow` / indexing (a skip connection kept)", "silent", "compiles", "rust:narrow / indexing",
-        f"{_RUST}, {_PY}", "refused: 2 other handles"),
-    Row("`transpose` / `expand`", "silent", "compiles", "rust:transpose / expand", f"{_RUST}, {_PY}",
-        "refused: 2 other handles"),
-    Row("`context` overlaps `x`", "silent (context changes mid-block)", "compiles", "rust:context overlaps x",
-        f"{_RUST}, {_PY}", "refused, naming `context`"),
-    Row("grad mode turned back on inside the proof", "loud later (backward)", "compiles (`tch::with_grad`)",
-        "rust:grad mode back on", f"{_RUST}, `tests/entry_points.rs`", "refused: grad mode on"),
-    Row("autograd holds `x` for backward (`y = x * w`)", "loud later (backward)", "compiles",
-        "rust:autograd saved x", _RUST, "refused: 1 other handle; the gradient stays right"),
-    Row("`+=` while LayerNorm saved `x` (E0502's real sequence)", "loud later (backward)", "compiles",
-        "rust:add_in_place while autograd holds x", _RUST, "`add_in_place` refused: 1 other handle"),
-    Row("numpy / dlpack / `frombuffer` / `from_blob` memory", "silent (the numpy array changes)",
-        "compiles (`unsafe from_blob`)", "rust:foreign memory", f"{_RUST}, {_PY}", "refused: foreign memory"),
-    Row("a weak reference to `x`'s storage (`weak_intrusive_ptr`)", "silent (upgraded, it reads the output)",
-        "compiles", "rust:weak reference kept", _RUST, "refused: 1 weak reference; `try_forward_owned` hands `x` back"),
-    Row("`CppBlock::forward_owned` with a `shallow_clone` kept", "n/a", "compiles (C++ would write through it)",
-        "rust:C++ twin: shallow_clone kept", f"{_RUST}, `tests/entry_points.rs`",
-        "refused: 1 other handle (the C++ twin has the Rust contract)"),
-    Row("a Python view, slice, `detach` or `copy.copy` kept", "silent", "n/a", "py:view kept", _PY,
-        "refused by `RustBlock` and by the raw extension"),
-    Row("`a = x.numpy()` kept (or taken earlier)", "silent (the numpy array changes)", "n/a", "py:x.numpy() kept", _PY,
-        "refused: non-resizable storage (taking `x.numpy()` marks it for good)"),
-    Row("`x` exported by DLPack (`jax.dlpack.from_dlpack(x)`)", "silent", "n/a",
-        "refused while JAX holds it (its handle counts)", _PY),
+    Row(
+        "`view` / `reshape`",
+        "silent",
+        "compiles",
+        "rust:view / reshape",
+        f"{_RUST}, {_PY}",
+        "refused: 1 other handle (the view holds its base)",
+    ),
+    Row(
+        "`narrow` / indexing (a skip connection kept)",
+        "silent",
+        "compiles",
+        "rust:narrow / indexing",
+        f"{_RUST}, {_PY}",
+        "refused: 2 other handles",
+    ),
+    Row(
+        "`transpose` / `expand`",
+        "silent",
+        "compiles",
+        "rust:transpose / expand",
+        f"{_RUST}, {_PY}",
+        "refused: 2 other handles",
+    ),
+    Row(
+        "`context` overlaps `x`",
+        "silent (context changes mid-block)",
+        "compiles",
+        "rust:context overlaps x",
+        f"{_RUST}, {_PY}",
+        "refused, naming `context`",
+    ),
+    Row(
+        "grad mode turned back on inside the proof",
+        "loud later (backward)",
+        "compiles (`tch::with_grad`)",
+        "rust:grad mode back on",
+        f"{_RUST}, `tests/entry_points.rs`",
+        "refused: grad mode on",
+    ),
+    Row(
+        "autograd holds `x` for backward (`y = x * w`)",
+        "loud later (backward)",
+        "compiles",
+        "rust:autograd saved x",
+        _RUST,
+        "refused: 1 other handle; the gradient stays right",
+    ),
+    Row(
+        "`+=` while LayerNorm saved `x` (E0502's real sequence)",
+        "loud later (backward)",
+        "compiles",
+        "rust:add_in_place while autograd holds x",
+        _RUST,
+        "`add_in_place` refused: 1 other handle",
+    ),
+    Row(
+        "numpy / dlpack / `frombuffer` / `from_blob` memory",
+        "silent (the numpy array changes)",
+        "compiles (`unsafe from_blob`)",
+        "rust:foreign memory",
+        f"{_RUST}, {_PY}",
+        "refused: foreign memory",
+    ),
+    Row(
+        "a weak reference to `x`'s storage (`weak_intrusive_ptr`)",
+        "silent (upgraded, it reads the output)",
+        "compiles",
+        "rust:weak reference kept",
+        _RUST,
+        "refused: 1 weak reference; `try_forward_owned` hands `x` back",
+    ),
+    Row(
+        "`CppBlock::forward_owned` with a `shallow_clone` kept",
+        "n/a",
+        "compiles (C++ would write through it)",
+        "rust:C++ twin: shallow_clone kept",
+        f"{_RUST}, `tests/entry_points.rs`",
+        "refused: 1 other handle (the C++ twin has the Rust contract)",
+    ),
+    Row(
+        "a Python view, slice, `detach` or `copy.copy` kept",
+        "silent",
+        "n/a",
+        "py:view kept",
+        _PY,
+        "refused by `RustBlock` and by the raw extension",
+    ),
+    Row(
+        "`a = x.numpy()` kept (or taken earlier)",
+        "silent (the numpy array changes)",
+        "n/a",
+        "py:x.numpy() kept",
+        _PY,
+        "refused: non-resizable storage (taking `x.numpy()` marks it for good)",
+    ),
+    Row(
+        "`x` exported by DLPack (`jax.dlpack.from_dlpack(x)`)",
+        "silent",
+        "n/a",
+        "refused while JAX holds it (its handle counts)",
+        _PY,
+    ),
     Row("a Python `UntypedStorage` held", "silent", "n/a", "refused while it is held", _PY),
-    Row("a weakref or `StorageWeakRef` to `x`'s storage kept", "silent (upgraded, it reads the output)", "n/a",
-        "py:StorageWeakRef kept", f"{_PY}, {_TX}",
-        "refused: weak reference(s) (`weakref.ref(x.untyped_storage())` too); once dropped, `x` is donated"),
-    Row("one Python object, two names (`y = x`, `weakref.ref(x)`)", "silent", "n/a",
-        "donated: every name is invalidated together", f"{_PY}, {_TX}"),
-    Row("a TorchDispatchMode active (`FlopCounterMode`, a mode keeping every tensor)",
-        "silent (the mode may keep `x`)", "n/a",
+    Row(
+        "a weakref or `StorageWeakRef` to `x`'s storage kept",
+        "silent (upgraded, it reads the output)",
+        "n/a",
+        "py:StorageWeakRef kept",
+        f"{_PY}, {_TX}",
+        "refused: weak reference(s) (`weakref.ref(x.untyped_storage())` too); once dropped, `x` is donated",
+    ),
+    Row(
+        "one Python object, two names (`y = x`, `weakref.ref(x)`)",
+        "silent",
+        "n/a",
+        "donated: every name is invalidated together",
+        f"{_PY}, {_TX}",
+    ),
+    Row(
+        "a TorchDispatchMode active (`FlopCounterMode`, a mode keeping every tensor)",
+        "silent (the mode may keep `x`)",
+        "n/a",
         "donation refused, naming the mode; `forward` exact (the mode sees its aten ops), `donate=False` exact "
-        "through the custom op (the raw extension refuses it)", _TX),
-    Row("a TorchFunctionMode active", "silent", "n/a",
+        "through the custom op (the raw extension refuses it)",
+        _TX,
+    ),
+    Row(
+        "a TorchFunctionMode active",
+        "silent",
+        "n/a",
         "donation refused, naming the mode (`torch.device(...)` excepted); `forward` and `donate=False` through the "
-        "custom op, which the mode sees", _TX),
-    Row("a `__torch_dispatch__` subclass as `x` or `context` (`TwoTensor`)", "silent", "n/a",
+        "custom op, which the mode sees",
+        _TX,
+    ),
+    Row(
+        "a `__torch_dispatch__` subclass as `x` or `context` (`TwoTensor`)",
+        "silent",
+        "n/a",
         "donation refused, naming it; `forward` and `donate=False` give the PyTorch block's `TwoTensor`",
-        "`tests/test_transaction.py`"),
-    Row("a functorch wrapper as `x` (`vmap`, `jvp`, `grad`)", "n/a", "n/a",
+        "`tests/test_transaction.py`",
+    ),
+    Row(
+        "a functorch wrapper as `x` (`vmap`, `jvp`, `grad`)",
+        "n/a",
+        "n/a",
         "`forward_owned` refused: no storage of its own (it was a Rust panic); `forward` runs under the transform",
-        "`tests/test_transaction.py`"),
-    Row("saved-tensor hooks that keep the Python object (`save_on_cpu`, an identity hook)",
-        "loud later (backward)", "n/a",
-        "donated: the hook holds the object, which is marked; the backward that unpacks it raises", _TX),
-    Row("the handle an in-place op returned, kept", "n/a", "compiles", "rust:in-place op's returned handle", _RUST,
-        "refused: 1 other handle (`h = x.f_mul_scalar_(..)`, kept)"),
-    Row("**tch API:** writing through that returned handle", "n/a", "compiles", "rust:tch API: returned handle",
-        _RUST, "**written**: tch's own API, out of this crate's reach"),
-    Row("**tch API:** `f_*_out(.., out: &Tensor)`, `copy_from(dst: &Tensor)`", "n/a",
-        "compiles; **clippy refuses it in this crate**", "rust:tch API: _out through &Tensor",
-        f"{_RUST}, `tests/test_lint.py`", "**written** in user code"),
+        "`tests/test_transaction.py`",
+    ),
+    Row(
+        "saved-tensor hooks that keep the Python object (`save_on_cpu`, an identity hook)",
+        "loud later (backward)",
+        "n/a",
+        "donated: the hook holds the object, which is marked; the backward that unpacks it raises",
+        _TX,
+    ),
+    Row(
+        "the handle an in-place op returned, kept",
+        "n/a",
+        "compiles",
+        "rust:in-place op's returned handle",
+        _RUST,
+        "refused: 1 other handle (`h = x.f_mul_scalar_(..)`, kept)",
+    ),
+    Row(
+        "**tch API:** writing through that returned handle",
+        "n/a",
+        "compiles",
+        "rust:tch API: returned handle",
+        _RUST,
+        "**written**: tch's own API, out of this crate's reach",
+    ),
+    Row(
+        "**tch API:** `f_*_out(.., out: &Tensor)`, `copy_from(dst: &Tensor)`",
+        "n/a",
+        "compiles; **clippy refuses it in this crate**",
+        "rust:tch API: _out through &Tensor",
+        f"{_RUST}, `tests/test_lint.py`",
+        "**written** in user code",
+    ),
 ]
 
 
@@ -227,10 +359,9 @@ def python_outcomes() -> dict:
             with torch.no_grad():
                 rust.forward_owned(x, c, donate=True)
             out[route.name] = "ACCEPTED"
-        except ValueError as e:
+        except OwnershipError as e:
             kept = all(same(read(o), b) for o, b in zip([x, *others], before))
-            arg = str(e).split(" ", 1)[0]
-            out[route.name] = f"refused ({arg}); " + ("nothing written" if kept else "BUT SOMETHING CHANGED")
+            out[route.name] = f"refused ({e.arg}: {e.why}); " + ("nothing written" if kept else "BUT SOMETHING CHANGED")
     return out
 
 

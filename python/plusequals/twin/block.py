@@ -9,16 +9,20 @@ is :meth:`RustBlock._ensure_current` (shared with the swap's replacement, a subc
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .. import _rust
+from ..errors import UnsupportedBlockError, ownership_error
 from . import ops
+from .build import check_dims, validated_inner
+from .config import BlockConfig
+from .dispatch import autocast_dtype, converts_results, seen_by_python, symbolic, why_not_donatable
 from .donated import DonatedTensor
-from .faithful import CHILDREN, BlockSpec, Reading, UnsupportedBlockError, can_probe, probe, read_block
+from .faithful import CHILDREN, Reading, can_probe, probe, read_block
+from .hooks import run_under_saved_tensor_hooks
 
 
 def _check_tensor(name: str, t: object, optional: bool = False) -> None:
@@ -33,14 +37,6 @@ def _check_tensor(name: str, t: object, optional: bool = False) -> None:
             f"{name} is a donated tensor: it was moved into RustBlock.forward_owned(..., donate=True); "
             "use the tensor that call returned, or pass donate=False to keep the input"
         )
-
-
-def _check_layout(name: str, t: Tensor) -> None:
-    # Rust refuses nested tensors too (rust/block.rs, dense_size); sparse and mkldnn tensors
-    # would fail deep inside libtorch with messages that name no argument.
-    if t.is_nested or t.layout != torch.strided:
-        kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
-        raise ValueError(f"{name} must be a dense (strided) tensor, got {kind}")
 
 
 class RustBlock(nn.Module):
@@ -71,8 +67,7 @@ class RustBlock(nn.Module):
         self._twin = ops.Twin(inner)
         self._slot = self._twin.id
         self._device = device
-        self._config: Optional[ops.Config] = None  # the custom ops' config (spec + language)
-        self._spec: Optional[BlockSpec] = None
+        self._config: Optional[BlockConfig] = None  # what the weights alone do not tell, and LANGUAGE
         self._weights: Optional[Tuple[Tensor, ...]] = None  # the tensors it computes with now
         # Following a module (from_torch, the swap): the module, and the last reading of it.
         self.__dict__["_source"] = None  # not registered: its submodules are (see _adopt)
@@ -108,9 +103,13 @@ class RustBlock(nn.Module):
         reads, a class attribute, a global) is not followed; and on the meta device or in a dtype
         other than fp32/fp64 the probe cannot run, so the block runs as last probed (or, built
         there, unprobed until it moves to one where the probe can run)."""
+        if isinstance(block, RustBlock):
+            raise TypeError(f"block is a {type(block).__name__} already: pass the PyTorch block it was made from")
         reading = read_block(block, trust=trust)
         if reading.reasons:
-            raise ValueError(f"{cls.__name__}.from_torch cannot reproduce this block exactly: {'; '.join(reading.reasons)}")
+            raise ValueError(
+                f"{cls.__name__}.from_torch cannot reproduce this block exactly: {'; '.join(reading.reasons)}"
+            )
         rb = cls()
         rb._trust = trust
         rb._adopt(block, error=ValueError)
@@ -141,19 +140,14 @@ class RustBlock(nn.Module):
         It follows the tensors ``weights`` holds now, not the mapping: writes into them are seen
         (in place, or ``.data =`` of another dtype or device, which rebuilds); rebinding a key of
         the mapping afterwards is not. Build it again to take new tensors."""
-        inner, device = _validated_inner(weights, cls.LANGUAGE, dim=dim, n_heads=n_heads, d_head=d_head,
-                                         context_dim=context_dim, gated_ff=gated_ff, attention=attention)
+        config = BlockConfig(dim, n_heads, d_head, context_dim, gated_ff, attention, cls.LANGUAGE)
+        inner, device = validated_inner(weights, config)
         rb = cls(inner, device)
-        dims = _check_dims(dim=dim, n_heads=n_heads, d_head=d_head, context_dim=context_dim)
-        rb._set_spec(BlockSpec(gated_ff=bool(gated_ff), attention=attention, **dims))
-        rb._weights = tuple(weights[k] for k in rb._spec.keys)
+        dims = check_dims(dim=dim, n_heads=n_heads, d_head=d_head, context_dim=context_dim)
+        rb._config = config._replace(gated_ff=bool(gated_ff), **dims)
+        rb._weights = tuple(weights[k] for k in rb._config.keys)
         rb._twin.set(inner, rb._weights, rb._config)
         return rb
-
-    def _set_spec(self, spec: BlockSpec) -> None:
-        self._spec = spec
-        self._config = (spec.dim, spec.n_heads, spec.d_head, spec.context_dim, spec.gated_ff, spec.attention,
-                        self.LANGUAGE)
 
     # -- following the module -----------------------------------------------------------------
 
@@ -170,14 +164,16 @@ class RustBlock(nn.Module):
             if now is not self._source_kids.get(name):
                 self._modules[name] = now
         self._source_kids = {name: source._modules.get(name) for name in CHILDREN}
-        reading = read_block(source, {name: self._modules.get(name) for name in CHILDREN}, owner=self, trust=self._trust)
+        reading = read_block(
+            source, {name: self._modules.get(name) for name in CHILDREN}, owner=self, trust=self._trust
+        )
         if reading.reasons:
             self._reading = None
             raise error(
                 f"{self._where()}: the Rust block cannot reproduce this block exactly: {'; '.join(reading.reasons)}. "
                 "It computes the SD v1 block (see plusequals.twin.faithful) and calls no submodule."
             )
-        self._set_spec(reading.spec)
+        self._config = reading.spec._replace(language=self.LANGUAGE)
         self._paths = reading.paths
         self._guards = [(obj, name, value, not isinstance(value, _SCALARS)) for obj, name, value in reading.watch.attrs]
         if traced:
@@ -197,16 +193,17 @@ class RustBlock(nn.Module):
         if weights is None:
             return  # a raw Rust block (RustBlock(inner)): nothing to follow
         if not self._twin.fresh(weights, self._config):
-            spec = self._spec
-            inner, self._device = _validated_inner(dict(zip(spec.keys, weights)), self.LANGUAGE, **spec.config())
+            inner, self._device = validated_inner(dict(zip(self._config.keys, weights)), self._config)
             self._twin.set(inner, weights, self._config)
             self._probe_pending = bool(self._reading and self._reading.unknown)  # a new dtype or device: again
         if self._probe_pending and can_probe(weights[0]):
-            reason = probe(self._source, self._twin.inner.forward, self._spec, weights[0])
+            reason = probe(self._source, self._twin.inner.forward, self._config, weights[0])
             if reason:
                 classes = ", ".join(self._reading.unknown)
                 self._reading = None
-                raise error(f"{self._where()}: the block's classes ({classes}) are not ones this crate knows, and {reason}")
+                raise error(
+                    f"{self._where()}: the block's classes ({classes}) are not ones this crate knows, and {reason}"
+                )
             self._probe_pending = False
 
     @torch.compiler.assume_constant_result
@@ -240,9 +237,7 @@ class RustBlock(nn.Module):
         for name, t in (("x", x), ("context", context)):  # the fake implementations see no device
             if isinstance(t, Tensor) and t.device != weights[0].device:
                 raise ValueError(f"{name} is on {t.device} but the block's weights are on {weights[0].device}")
-        dim, n_heads, d_head, context_dim, gated_ff, attention, language = self._config
-        return (x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language, self._slot,
-                _autocast_dtype(x))
+        return (x, context, weights, *self._config, self._slot, autocast_dtype(x))
 
     # -- the entry points -----------------------------------------------------------------------
 
@@ -269,13 +264,13 @@ class RustBlock(nn.Module):
 
     def forward(self, x: Tensor, context: Optional[Tensor] = None) -> Tensor:
         """``x = op(norm(x)) + x`` three times, in Rust; ``x`` is only read."""
-        if torch.compiler.is_compiling() or _symbolic(x, context):
+        if torch.compiler.is_compiling() or symbolic(x, context):
             return ops.block_forward(*self._op_args(x, context))
         _check_tensor("x", x)
         _check_tensor("context", context, optional=True)
-        if _seen_by_python(x, context, dispatch_modes=False):
+        if seen_by_python(x, context, dispatch_modes=False):
             return ops.block_forward(*self._op_args(x, context))
-        return _run_under_saved_tensor_hooks(self._call, "forward", x, context)
+        return run_under_saved_tensor_hooks(self._call, "forward", x, context)
 
     def forward_owned(self, x: Tensor, context: Optional[Tensor] = None, donate: bool = False) -> Tensor:
         """``x += op(norm(x))`` three times, in Rust, with grad mode off.
@@ -283,11 +278,11 @@ class RustBlock(nn.Module):
         ``donate=False``: works on a copy; the caller's ``x`` is unchanged.
         ``donate=True``: writes into ``x``'s buffer and returns it under a new handle; ``x``
         itself is invalidated (any later use raises). ``x`` must then own its storage alone. A
-        refused donation leaves ``x`` exactly as it was (rust/python.rs, ``donate_into``).
+        refused donation leaves ``x`` exactly as it was (rust/python/donation.rs, ``donate_into``).
         """
         if not isinstance(donate, bool):
             raise TypeError(f"donate must be a bool, got {type(donate).__name__} {donate!r}")
-        traced = torch.compiler.is_compiling() or _symbolic(x, context)
+        traced = torch.compiler.is_compiling() or symbolic(x, context)
         _check_tensor("x", x)
         _check_tensor("context", context, optional=True)
         if torch.is_grad_enabled():
@@ -312,7 +307,7 @@ class RustBlock(nn.Module):
             y = x.clone(memory_format=torch.contiguous_format)
             ops.block_forward_owned_(y, *args[1:])
             return y
-        if _seen_by_python(x, context, dispatch_modes=True):
+        if seen_by_python(x, context, dispatch_modes=True):
             # The same values, without an in-place op for Python code to see x in (a subclass's
             # __torch_dispatch__ would apply it once per inner tensor, into one x).
             with torch.no_grad():
@@ -322,13 +317,19 @@ class RustBlock(nn.Module):
     def _donate(self, x: Tensor, context: Optional[Tensor]) -> Tensor:
         """``forward_owned(x, donate=True)``: what only Python can see is refused here (modes,
         subclasses whose Python code the Rust ops would bypass); Rust checks ownership, moves the
-        buffer and marks ``x`` donated, as one transaction (rust/python.rs, ``donate_into``)."""
-        reason = _why_not_donatable(x, context)
-        if reason:
-            raise ValueError(f"{reason}; nothing was donated: x is unchanged and usable (donate=False works on a copy)")
+        buffer and marks ``x`` donated, as one transaction (rust/python/donation.rs, ``donate_into``)."""
+        refused = why_not_donatable(x, context)
+        if refused:
+            arg, why, message, modes = refused
+            raise ownership_error(
+                f"{message}; nothing was donated: x is unchanged and usable (donate=False works on a copy)",
+                arg,
+                why,
+                modes=modes,
+            )
         cls = type(x)
         y = self._call("forward_owned", x, context, donate=True)
-        if cls is Tensor or _func(cls.__torch_function__) is not _TENSOR_TF:
+        if not converts_results(cls):
             return y
         # Tensor's __torch_function__ converts results to the subclass: so does the donation,
         # with a tensor that owns the buffer (as_subclass would make a view of y)
@@ -345,11 +346,13 @@ class RustBlock(nn.Module):
         return self._call("forward_loop", x, context, n=n, owned=owned)
 
     def extra_repr(self) -> str:
-        spec = self._spec
+        spec = self._config
         if spec is None:
             return "raw"
-        return (f"dim={spec.dim}, n_heads={spec.n_heads}, d_head={spec.d_head}, context_dim={spec.context_dim}, "
-                f"gated_ff={spec.gated_ff}, attention={spec.attention!r}")
+        return (
+            f"dim={spec.dim}, n_heads={spec.n_heads}, d_head={spec.d_head}, context_dim={spec.context_dim}, "
+            f"gated_ff={spec.gated_ff}, attention={spec.attention!r}"
+        )
 
     # The Rust handle is neither picklable nor deep-copyable: a copy (copy.deepcopy, pickle) gets
     # a new, empty twin and builds its own on first use (on the copied parameters).
@@ -381,212 +384,3 @@ class CppBlock(RustBlock):
 
 
 _SCALARS = (int, float, str, bool, tuple, type(None))
-
-_MODE_KEYS = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE", "PROXY", "FUNCTIONAL")
-                   if hasattr(torch._C._TorchDispatchModeKey, k))
-
-
-_PLAIN = (Tensor, nn.Parameter, type(None))
-
-
-def _func(method: Any) -> Any:
-    return getattr(method, "__func__", method)
-
-
-_TENSOR_TF = _func(Tensor.__torch_function__)
-
-
-def _plain_torch_function(cls: type) -> bool:
-    """Whether ``cls``'s torch calls are libtorch's own: its ``__torch_function__`` is Tensor's
-    (which only converts the results to ``cls``) or the disabled one (``nn.Parameter``'s)."""
-    tf = _func(cls.__torch_function__)
-    return tf is _TENSOR_TF or tf is torch._C._disabled_torch_function_impl
-
-
-def _symbolic(x: object, context: object) -> bool:
-    """Whether the call is traced or fake (a FakeTensor or functional tensor, or a fake, proxy or
-    functional dispatch mode active): then the custom op runs, with its fake implementation."""
-    if torch._C._len_torch_dispatch_stack() and any(torch._C._get_dispatch_mode(k) is not None for k in _MODE_KEYS):
-        return True
-    if type(x) in _PLAIN and type(context) in _PLAIN:
-        return False
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    return isinstance(x, (FakeTensor, FunctionalTensor)) or isinstance(context, (FakeTensor, FunctionalTensor))
-
-
-def _autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
-    device_type = x.device.type
-    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
-
-
-def _validated_inner(weights: Mapping[str, Tensor], language: str, *, dim, n_heads, d_head, context_dim=None,
-                     gated_ff=True, attention="sdpa") -> Tuple[Any, Optional[torch.device]]:
-    """``from_state_dict``'s checks, then the Rust (or C++) block: (block, the weights' device)."""
-    if not isinstance(weights, Mapping):
-        raise TypeError(f"weights must be a mapping of str to torch.Tensor, got {type(weights).__name__}")
-    for key, value in weights.items():
-        if not isinstance(key, str):
-            raise TypeError(f"weight key {key!r} must be a str, got {type(key).__name__}")
-        if not isinstance(value, Tensor):
-            raise TypeError(f"weight {key!r} must be a torch.Tensor, got {type(value).__name__}")
-        if isinstance(value, DonatedTensor):
-            raise RuntimeError(f"weight {key!r} is a donated tensor: use the tensor forward_owned returned")
-        _check_layout(f"weight {key!r}", value)
-    dims = _check_dims(dim=dim, n_heads=n_heads, d_head=d_head, context_dim=context_dim)
-    device = _check_weight_types(weights)
-    inner = _rust.Block(dict(weights), **dims, gated_ff=gated_ff, attention=attention, language=language)
-    return inner, device
-
-
-def _user_function_modes() -> List[Any]:
-    """The active TorchFunctionModes, less ``torch.device``'s (which only picks factories' device)."""
-    if not torch._C._is_torch_function_mode_enabled():
-        return []
-    from torch.utils._device import DeviceContext
-
-    return [m for m in torch.overrides._get_current_function_mode_stack() if not isinstance(m, DeviceContext)]
-
-
-def _seen_by_python(x: object, context: object, dispatch_modes: bool) -> bool:
-    """Whether Python code must see this call as an op: a TorchFunctionMode is active (it sees
-    torch calls, never Rust's), x or context is a tensor subclass (its ``__torch_function__`` or
-    ``__torch_dispatch__`` would be bypassed), or, with ``dispatch_modes``, a TorchDispatchMode is
-    active (an in-place op would hand it ``x``). Then the call goes through the custom op, which
-    they see as one op (``plusequals::block_forward``), as they see any other."""
-    if type(x) not in _PLAIN or type(context) not in _PLAIN:
-        return True
-    if dispatch_modes and torch._C._len_torch_dispatch_stack():
-        return True
-    return bool(_user_function_modes())
-
-
-def _why_not_donatable(x: Tensor, context: Optional[Tensor]) -> Optional[str]:
-    """Why Python code would see (or miss) a donation of ``x``, or None. Rust refuses what
-    libtorch can tell (other owners, weak references, dispatch modes, ``__torch_dispatch__``
-    subclasses, functorch wrappers), naming them; this adds what only Python knows."""
-    modes = _user_function_modes()
-    if modes:
-        names = ", ".join(type(m).__qualname__ for m in modes)
-        return (f"x cannot be donated while a TorchFunctionMode is active ({names}): the mode sees torch calls, "
-                "and a donation is none (the Rust ops would bypass it)")
-    if torch._C._len_torch_dispatch_stack():
-        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-        names = ", ".join(type(m).__qualname__ for m in _get_current_dispatch_mode_stack())
-        return (f"x cannot be donated while a TorchDispatchMode is active ({names}): the mode sees every op's "
-                "tensors, x included, and may keep them")
-    for name, t in (("x", x), ("context", context)):
-        cls = type(t)
-        if t is None or cls in _PLAIN:
-            continue
-        if cls.__torch_dispatch__ is not Tensor.__torch_dispatch__:
-            return (f"{name} is a {cls.__qualname__}, a tensor subclass with __torch_dispatch__: its Python code "
-                    "would be handed x by the in-place ops, and may keep it")
-        if not _plain_torch_function(cls):
-            return (f"{name} is a {cls.__qualname__}, a tensor subclass with its own __torch_function__, which the "
-                    "Rust ops would bypass")
-    return None
-
-
-_INT64_MAX = 2**63 - 1
-
-
-def _check_dims(**given: object) -> dict:
-    """Positive integers (int, numpy ints: anything with ``__index__``, bool excepted) whose
-    products the Rust side forms (heads * head width, 8 * dim) fit in i64; returned as ints."""
-    dims: dict = {}
-    for name, value in given.items():
-        if value is None and name == "context_dim":
-            dims[name] = None
-            continue
-        try:
-            if isinstance(value, bool):
-                raise TypeError
-            dims[name] = operator.index(value)  # type: ignore[arg-type]
-        except TypeError:
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-        if dims[name] <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
-    if dims["n_heads"] * dims["d_head"] > _INT64_MAX:
-        raise ValueError(f"n_heads * d_head overflows int64: {dims['n_heads']} * {dims['d_head']}")
-    for name in ("dim", "context_dim"):
-        if dims[name] is not None and 8 * dims[name] > _INT64_MAX:
-            raise ValueError(f"{name} is too large: {dims[name]}")
-    return dims
-
-
-def _check_weight_types(weights: Mapping[str, Tensor]) -> Optional[torch.device]:
-    """All weights one floating dtype on one device; names the odd ones out (the minority), and
-    devices by their torch names. Returns the weights' device (None for an empty mapping)."""
-    groups: dict = {}
-    for key, value in weights.items():
-        groups.setdefault((value.dtype, value.device), []).append(key)
-    if not groups:
-        return None
-    (dtype, device), _ = max(groups.items(), key=lambda kv: len(kv[1]))
-    for (other_dtype, other_device), keys in groups.items():
-        if (other_dtype, other_device) != (dtype, device):
-            raise ValueError(
-                f"weight {keys[0]!r} is {other_dtype} on {other_device}, but the other weights are "
-                f"{dtype} on {device}"
-            )
-    if not dtype.is_floating_point:
-        raise ValueError(f"weights must be floating point, got {dtype} (weight {groups[(dtype, device)][0]!r})")
-    return device
-
-
-# --------------------------------------------------------------------------------------------
-# Python exceptions from saved-tensor hooks, across the Rust call
-# --------------------------------------------------------------------------------------------
-
-
-class _Unhooked:
-    """A tensor saved after an outer pack hook raised (the recomputation stops there anyway)."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor
-
-
-def _run_under_saved_tensor_hooks(fn, *args):
-    """``fn(*args)`` (a call into Rust), with any exception an active saved-tensor pack hook
-    raises delivered to Python with its own type once ``fn`` returns.
-
-    Without this, an exception raised by a Python pack hook inside a libtorch op called from
-    Rust is flattened by tch into ``RuntimeError('Internal torch error: ')``. That breaks
-    non-reentrant ``torch.utils.checkpoint`` (diffusers' gradient checkpointing), whose
-    recomputation stops early by raising ``_StopRecomputationError`` from its pack hook once
-    every tensor it needs is recomputed. Here the outer hooks are wrapped: the first exception
-    is held, the rest of ``fn`` runs without calling the outer pack hook again (what it saves
-    then is discarded with the stopped recomputation), and the exception is raised after.
-    """
-    if not torch.is_grad_enabled() or not torch._C._autograd._saved_tensors_hooks_is_enabled():
-        return fn(*args)
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if top is None:
-        return fn(*args)
-    outer_pack, outer_unpack = top
-    raised: List[BaseException] = []
-
-    def pack(t: Tensor) -> Any:
-        if raised:
-            return _Unhooked(t)
-        try:
-            return outer_pack(t)
-        except BaseException as e:  # noqa: BLE001  (re-raised below, type intact)
-            raised.append(e)
-            return _Unhooked(t)
-
-    def unpack(packed: Any) -> Tensor:
-        return packed.tensor if isinstance(packed, _Unhooked) else outer_unpack(packed)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        out = fn(*args)
-    if raised:
-        raise raised[0]
-    return out

@@ -48,7 +48,8 @@ def donated_class(cls: type) -> type:
         try:
             probe.__class__ = made  # the check __class__ assignment makes, on a throwaway instance
         except TypeError as e:
-            raise TypeError(f"x is a {cls.__qualname__}, whose instances cannot be marked donated ({e}): "
-                            "pass donate=False") from None
+            raise TypeError(
+                f"x is a {cls.__qualname__}, whose instances cannot be marked donated ({e}): pass donate=False"
+            ) from None
         _CLASSES[cls] = made
     return made

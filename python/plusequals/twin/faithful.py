@@ -2,7 +2,7 @@
 
 :func:`read_block` reads a PyTorch block, a CompVis-layout one (``plusequals.BasicTransformerBlock``,
 an independent CompVis implementation) or a diffusers ``BasicTransformerBlock``, and returns a
-:class:`Reading`: the Rust block's configuration (:class:`BlockSpec`), where each of its weights
+:class:`Reading`: the Rust block's configuration (:class:`BlockConfig`), where each of its weights
 sits in the module (the *slots*), every reason it cannot reproduce the block exactly, and a
 :class:`Watch` of everything it looked at.
 
@@ -44,8 +44,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["BlockSpec", "Reading", "UnsupportedBlockError", "Watch", "can_probe", "class_name", "probe", "read_block",
-           "rust_keys"]
+from ..model import blocks
+from .config import BlockConfig, rust_keys
+from .watch import Watch, class_name, global_hook_kinds
+
+__all__ = ["CHILDREN", "Reading", "TRUST", "can_probe", "probe", "read_block"]
 
 #: The six submodules of a block, in diffusers' registration order (the CompVis order differs;
 #: state_dict keys are the same).
@@ -63,227 +66,11 @@ TRUST = (None, "probe")
 LAYER_NORM_EPS = 1e-5
 
 
-class UnsupportedBlockError(ValueError):
-    """A block, or a call, that the Rust block cannot reproduce exactly."""
-
-
-@dataclass(frozen=True)
-class BlockSpec:
-    """The Rust block's constructor arguments (what the weights alone do not tell)."""
-
-    dim: int
-    n_heads: int
-    d_head: int
-    context_dim: Optional[int]
-    gated_ff: bool
-    attention: str
-
-    @property
-    def keys(self) -> Tuple[str, ...]:
-        return rust_keys(self.gated_ff)
-
-    def config(self) -> Dict[str, Any]:
-        return dict(dim=self.dim, n_heads=self.n_heads, d_head=self.d_head, context_dim=self.context_dim,
-                    gated_ff=self.gated_ff, attention=self.attention)
-
-
-def rust_keys(gated_ff: bool) -> Tuple[str, ...]:
-    """The Rust block's weights by CompVis key, in the order the custom ops take them."""
-    proj = "ff.net.0.proj" if gated_ff else "ff.net.0.0"
-    keys = []
-    for attn in ("attn1", "attn2"):
-        keys += [f"{attn}.to_q.weight", f"{attn}.to_k.weight", f"{attn}.to_v.weight",
-                 f"{attn}.to_out.0.weight", f"{attn}.to_out.0.bias"]
-    keys += [f"{proj}.weight", f"{proj}.bias", "ff.net.2.weight", "ff.net.2.bias"]
-    for norm in ("norm1", "norm2", "norm3"):
-        keys += [f"{norm}.weight", f"{norm}.bias"]
-    return tuple(keys)
-
-
-# --------------------------------------------------------------------------------------------
-# The watch: what a reading looked at
-# --------------------------------------------------------------------------------------------
-
-
-def class_name(obj: Any) -> str:
-    """``obj``'s class as a reader finds it: ``nn.Linear`` for torch's own layers, the qualified
-    name otherwise (``peft.tuners.lora.layer.Linear``, not a bare ``Linear``)."""
-    cls = type(obj)
-    if cls.__module__.startswith("torch.nn.modules."):
-        return f"nn.{cls.__qualname__}"
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _global_hooks() -> Dict[str, dict]:
-    """torch's global module hooks, by kind: they fire on every module's forward or backward,
-    the PyTorch block's submodules included, which the Rust block bypasses."""
-    from torch.nn.modules import module
-
-    return {"forward": module._global_forward_hooks, "forward pre": module._global_forward_pre_hooks,
-            "backward": module._global_backward_hooks, "backward pre": module._global_backward_pre_hooks}
-
-
-def _observer_types() -> tuple:
-    """Trackers whose global hooks only observe which module runs (FlopCounterMode's
-    ModuleTracker, ModTracker): they change no input or output, and see the RustBlock as one
-    module."""
-    from torch.utils.module_tracker import ModuleTracker
-
-    types = [ModuleTracker]
-    try:
-        from torch.distributed._tools.mod_tracker import ModTracker
-
-        types.append(ModTracker)
-    except ImportError:  # torch built without distributed
-        pass
-    return tuple(types)
-
-
-def global_hook_kinds() -> List[str]:
-    """The kinds of global module hooks registered now, other than observers'."""
-    observers = _observer_types()
-    return [kind for kind, hooks in _global_hooks().items()
-            if any(not isinstance(getattr(h, "__self__", None), observers) for h in hooks.values())]
-
-
-class Watch:
-    """Every value a reading looked at, with the dict it sits in (a module's ``__dict__``,
-    ``_modules`` or ``_parameters``), and the size of each dict read from. :meth:`unchanged`
-    compares them in one pass in Rust (``plusequals._rust.Watch``, which every call of a
-    ``RustBlock`` runs first): every value by identity (a value set again, equal, only costs a
-    second reading); the exact class of every module read; the sizes (an attribute set later on
-    an instance, such as accelerate's ``_hf_hook`` and ``forward``; a submodule appended to a
-    ``Sequential``; a parameter or buffer added). Hook dicts must stay empty, and torch's global
-    module hooks as they were. A change only costs a second reading, so a false alarm is
-    harmless."""
-
-    __slots__ = ("vdicts", "vkeys", "values", "tdicts", "tkeys", "tensors", "ldicts", "lens", "hook_dicts", "attrs",
-                 "modules", "classes", "globals", "rust", "_seen", "_lseen", "_mseen")
-
-    def __init__(self) -> None:
-        self.vdicts: List[dict] = []
-        self.vkeys: List[str] = []
-        self.values: List[Any] = []
-        self.tdicts: List[dict] = []  # tensors (parameters), and unknown classes' state
-        self.tkeys: List[str] = []
-        self.tensors: List[Any] = []
-        self.ldicts: List[dict] = []
-        self.lens: List[int] = []
-        self.hook_dicts: List[dict] = []
-        self.modules: List[nn.Module] = []  # every module read, and its exact class
-        self.classes: List[type] = []
-        self.globals: List[dict] = list(_global_hooks().values())
-        self.rust: Any = None  # the Rust watch, made by seal()
-        # (object, name, value) of every non-tensor value: what a traced forward compares, so
-        # that torch.compile guards on it (tensors reach the custom op as arguments instead).
-        self.attrs: List[Tuple[Any, str, Any]] = []
-        self._seen: set = set()
-        self._lseen: set = set()
-        self._mseen: set = set()
-
-    def _sized(self, d: dict) -> None:
-        if id(d) not in self._lseen:
-            self._lseen.add(id(d))
-            self.ldicts.append(d)
-
-    def _note(self, d: dict, key: str, value: Any, obj: Any, by_identity: bool = False) -> Any:
-        if (id(d), key) in self._seen:
-            return value
-        self._seen.add((id(d), key))
-        if by_identity or isinstance(value, torch.Tensor):
-            self.tdicts.append(d)
-            self.tkeys.append(key)
-            self.tensors.append(value)
-        else:
-            self.vdicts.append(d)
-            self.vkeys.append(key)
-            self.values.append(value)
-            self.attrs.append((obj, key, value))
-        return value
-
-    def module(self, m: nn.Module) -> None:
-        """Notes ``m``'s exact class and the sizes of its submodule, parameter and buffer dicts."""
-        if id(m) in self._mseen:
-            return
-        self._mseen.add(id(m))
-        self.modules.append(m)
-        self.classes.append(type(m))
-        for store in (m._modules, m._parameters, m._buffers):
-            self._sized(store)
-
-    def state(self, m: nn.Module) -> None:
-        """Notes every value on the instance ``m`` by identity: the state an unknown class's
-        forward may read (mutation inside a value, a class attribute or a global it reads is
-        beyond this: see ``RustBlock.from_torch``'s ``trust``)."""
-        self._sized(m.__dict__)
-        for key, value in m.__dict__.items():
-            if key not in _MODULE_STORES:
-                self._note(m.__dict__, key, value, m, by_identity=True)
-
-    def get(self, obj: Any, name: str, default: Any = None) -> Any:
-        """``getattr(obj, name, default)``, noted."""
-        if isinstance(obj, nn.Module):  # its class and stores: tree() notes every module of the block
-            for store in (obj._parameters, obj._buffers, obj._modules):
-                if name in store:
-                    return self._note(store, name, store[name], obj)
-        d = getattr(obj, "__dict__", None)
-        if d is None:
-            return getattr(obj, name, default)
-        self._sized(d)
-        if name in d:
-            return self._note(d, name, d[name], obj)
-        # A class attribute, a property, or nothing: setting it on the instance later grows
-        # the instance's dict, which is watched.
-        return getattr(obj, name, default)
-
-    def in_dict(self, obj: Any, name: str) -> bool:
-        """Whether ``name`` is set on the instance itself (an instance-level ``forward``)."""
-        self._sized(obj.__dict__)
-        return name in obj.__dict__
-
-    def hooks_of(self, module: nn.Module) -> List[str]:
-        """The kinds of hooks ``module`` has; its hook dicts are watched for new ones."""
-        kinds = []
-        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
-            hooks = module.__dict__.get(attr)
-            if hooks is not None:
-                self.hook_dicts.append(hooks)
-                if hooks:
-                    kinds.append(attr.strip("_"))
-        if self.get(module, "_hf_hook") is not None:
-            kinds.append("accelerate _hf_hook")
-        if self.in_dict(module, "forward"):
-            kinds.append("an instance-level forward override")
-        return kinds
-
-    def seal(self) -> "Watch":
-        from .. import _rust
-
-        self.lens = list(map(len, self.ldicts))
-        same = list(zip(self.vdicts, self.vkeys, self.values)) + list(zip(self.tdicts, self.tkeys, self.tensors))
-        self.rust = _rust.Watch(same=same, classes=list(zip(self.modules, self.classes)),
-                                sizes=list(zip(self.ldicts, self.lens)), empty=self.hook_dicts,
-                                keys=[(d, list(d)) for d in self.globals])
-        self._seen = self._lseen = self._mseen = set()
-        return self
-
-    def unchanged(self) -> bool:
-        return self.rust.unchanged()
-
-
-# What a module's __dict__ holds besides its own state: watched on their own (Watch.module, hooks_of).
-_MODULE_STORES = frozenset({"_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks",
-                            "_backward_hooks", "_backward_pre_hooks", "_forward_hooks_with_kwargs",
-                            "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
-                            "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-                            "_load_state_dict_post_hooks", "_non_persistent_buffers_set"})
-
-
 @dataclass
 class Reading:
     """What :func:`read_block` found: the spec, the weights' slots, and every refusal."""
 
-    spec: Optional[BlockSpec]
+    spec: Optional[BlockConfig]
     slots: Tuple[Tuple[nn.Module, str], ...]  # (owner module, parameter name), in spec.keys order
     paths: Tuple[str, ...]  # the same slots as attribute paths from the block ("ff.net.0.proj.weight")
     reasons: List[str]
@@ -313,14 +100,27 @@ def _is_diffusers_block(block: Any) -> bool:
 
 
 def _known_classes() -> set:
-    from ..model import blocks
-
-    known = {nn.LayerNorm, nn.Linear, nn.Dropout, nn.GELU, nn.Sequential, nn.ModuleList,
-             blocks.BasicTransformerBlock, blocks.CrossAttention, blocks.FeedForward, blocks.GEGLU}
+    known = {
+        nn.LayerNorm,
+        nn.Linear,
+        nn.Dropout,
+        nn.GELU,
+        nn.Sequential,
+        nn.ModuleList,
+        blocks.BasicTransformerBlock,
+        blocks.CrossAttention,
+        blocks.FeedForward,
+        blocks.GEGLU,
+    }
     if "diffusers.models.attention" in sys.modules:
         attention, processor, activations = _diffusers_modules()
-        known |= {attention.BasicTransformerBlock, attention.FeedForward, processor.Attention,
-                  activations.GEGLU, activations.GELU}
+        known |= {
+            attention.BasicTransformerBlock,
+            attention.FeedForward,
+            processor.Attention,
+            activations.GEGLU,
+            activations.GELU,
+        }
     return known
 
 
@@ -368,8 +168,9 @@ class _Reader:
     def linear(self, lin: Any, name: str, bias: bool, key: Optional[str] = None) -> bool:
         """Checks a plain nn.Linear and notes its slots (``key``: its Rust name, when it differs)."""
         if type(lin) is not nn.Linear:
-            self.no(f"{name} is {class_name(lin)}, not a plain nn.Linear "
-                    "(LoRA/PEFT or quantised layers are not supported)")
+            self.no(
+                f"{name} is {class_name(lin)}, not a plain nn.Linear (LoRA/PEFT or quantised layers are not supported)"
+            )
             self.refused.append(name)
             return False
         key = key or name
@@ -393,8 +194,10 @@ class _Reader:
         """Dropout is reproduced when it is the identity: p == 0, or eval mode."""
         p = self.w.get(m, "p")
         if p != 0 and self.w.get(m, "training"):
-            self.no(f"{name} has dropout p={p} in training mode; the Rust block has no dropout "
-                    "(call .eval() to make it the identity, or set p=0)")
+            self.no(
+                f"{name} has dropout p={p} in training mode; the Rust block has no dropout "
+                "(call .eval() to make it the identity, or set p=0)"
+            )
 
     # -- the whole tree: hooks, buffers, dropouts, the parameter set ---------------------------
 
@@ -409,9 +212,11 @@ class _Reader:
                 modules += [(f"{name}.{sub}" if sub else name, m) for sub, m in other.named_modules()]
         kinds = global_hook_kinds()
         if kinds:
-            self.no(f"torch's global module {' and '.join(kinds)} hooks are registered "
-                    "(torch.nn.modules.module.register_module_*_hook): they fire on the PyTorch block's submodules, "
-                    "which the Rust block bypasses; remove them (handle.remove()) to run it")
+            self.no(
+                f"torch's global module {' and '.join(kinds)} hooks are registered "
+                "(torch.nn.modules.module.register_module_*_hook): they fire on the PyTorch block's submodules, "
+                "which the Rust block bypasses; remove them (handle.remove()) to run it"
+            )
         params, buffers = [], []
         for path, m in modules:
             self.w.module(m)
@@ -442,7 +247,7 @@ class _Reader:
         if buffers:
             self.no(f"it has buffers {buffers[:4]}, which the Rust block does not use")
 
-    def result(self, spec: Optional[BlockSpec], unknown: Tuple[str, ...] = ()) -> Reading:
+    def result(self, spec: Optional[BlockConfig], unknown: Tuple[str, ...] = ()) -> Reading:
         slots, paths = [], []
         if spec is not None and not self.reasons:
             for key in spec.keys:
@@ -460,8 +265,9 @@ def _not_a_block(block: Any, why: str) -> TypeError:
     )
 
 
-def read_block(block: Any, kids: Optional[Dict[str, Any]] = None, *, owner: Optional[nn.Module] = None,
-               trust: Optional[str] = None) -> Reading:
+def read_block(
+    block: Any, kids: Optional[Dict[str, Any]] = None, *, owner: Optional[nn.Module] = None, trust: Optional[str] = None
+) -> Reading:
     """Reads ``block`` against the definition (module docstring).
 
     ``kids``: the six submodules to read instead of ``block``'s own; ``owner``: the module that
@@ -471,9 +277,7 @@ def read_block(block: Any, kids: Optional[Dict[str, Any]] = None, *, owner: Opti
     Raises ``TypeError`` naming ``block`` when it is not a transformer block at all; every other
     problem is a reason in the returned :class:`Reading`.
     """
-    from .block import RustBlock
-
-    if isinstance(block, RustBlock):
+    if getattr(type(block), "LANGUAGE", None) in ("rust", "cpp"):  # a RustBlock, CppBlock or the swap's
         raise TypeError(f"block is a {type(block).__name__} already: pass the PyTorch block it was made from")
     if not isinstance(block, nn.Module):
         raise _not_a_block(block, "not a torch.nn.Module")
@@ -531,8 +335,9 @@ def _attention_projections(r: _Reader, attn: Any, name: str) -> None:
     r.dropout(r.child(to_out, "1"), f"{name}.to_out.1")
 
 
-def _feed_forward(r: _Reader, ff: Any, dim: Optional[int], gated_types: tuple, gelu_types: tuple,
-                  duck: bool) -> Optional[bool]:
+def _feed_forward(
+    r: _Reader, ff: Any, dim: Optional[int], gated_types: tuple, gelu_types: tuple, duck: bool
+) -> Optional[bool]:
     """Checks ``ff.net``; returns gated_ff (None when refused). ``duck``: an unknown class with
     only a ``proj`` is taken for a GEGLU (the CompVis layout; the probe checks its forward)."""
     net = r.child(ff, "net")
@@ -544,9 +349,14 @@ def _feed_forward(r: _Reader, ff: Any, dim: Optional[int], gated_types: tuple, g
         return None
     act = r.child(net, "0")
     gated: Optional[bool] = None
-    if type(act) in gated_types or (duck and type(act) not in gelu_types and type(act) is not nn.Sequential
-                                    and isinstance(r.w.get(act, "proj"), nn.Module)
-                                    and list(act._modules) == ["proj"] and not act._parameters):
+    if type(act) in gated_types or (
+        duck
+        and type(act) not in gelu_types
+        and type(act) is not nn.Sequential
+        and isinstance(r.w.get(act, "proj"), nn.Module)
+        and list(act._modules) == ["proj"]
+        and not act._parameters
+    ):
         gated = True  # GEGLU: proj to twice the width, x * gelu(gate) (an unknown class: probed)
         r.linear(r.child(act, "proj"), "ff.net.0.proj", bias=True)
         width = 8 * dim if dim else None
@@ -554,7 +364,10 @@ def _feed_forward(r: _Reader, ff: Any, dim: Optional[int], gated_types: tuple, g
         gated = False
         approximate = r.w.get(act, "approximate")
         if approximate != "none":
-            r.no(f"ff.net.0 is GELU(approximate={approximate!r}); the Rust block uses the exact GELU (approximate='none')")
+            r.no(
+                f"ff.net.0 is GELU(approximate={approximate!r}); the Rust block uses the exact GELU "
+                "(approximate='none')"
+            )
         r.linear(r.child(act, "proj"), "ff.net.0.proj", bias=True, key="ff.net.0.0")
         width = 4 * dim if dim else None
     elif type(act) is nn.Sequential and len(act) == 2:  # CompVis non-gated: Linear, nn.GELU()
@@ -564,8 +377,10 @@ def _feed_forward(r: _Reader, ff: Any, dim: Optional[int], gated_types: tuple, g
         if type(gelu) is not nn.GELU:
             r.no(f"ff.net.0.1 is {class_name(gelu)}; the Rust block's feed-forward uses the exact GELU (nn.GELU())")
         elif r.w.get(gelu, "approximate") != "none":
-            r.no(f"ff.net.0.1 is GELU(approximate={gelu.approximate!r}); the Rust block uses the exact GELU "
-                 "(approximate='none')")
+            r.no(
+                f"ff.net.0.1 is GELU(approximate={gelu.approximate!r}); the Rust block uses the exact GELU "
+                "(approximate='none')"
+            )
         width = 4 * dim if dim else None
     else:
         r.no(f"ff.net.0 is {class_name(act)}; only GEGLU (exact GELU) or Linear + exact GELU are supported")
@@ -576,14 +391,14 @@ def _feed_forward(r: _Reader, ff: Any, dim: Optional[int], gated_types: tuple, g
     if proj is not None and width is not None:
         lin = proj[0]
         if (lin.in_features, lin.out_features) != (dim, width):
-            r.no(f"{proj[2].rsplit('.', 1)[0]} maps {lin.in_features} -> {lin.out_features}, expected {dim} -> {width} "
-                 "(the Rust block's feed-forward is 4 x dim wide; ff_inner_dim/mult are not supported)")
+            r.no(
+                f"{proj[2].rsplit('.', 1)[0]} maps {lin.in_features} -> {lin.out_features}, expected {dim} -> {width} "
+                "(the Rust block's feed-forward is 4 x dim wide; ff_inner_dim/mult are not supported)"
+            )
     return gated
 
 
 def _read_compvis(r: _Reader, trust: Optional[str]) -> Reading:
-    from ..model import blocks
-
     kids = r.kids
     attn1, attn2, ff = kids["attn1"], kids["attn2"], kids["ff"]
     dim, heads, d_head = _heads_and_scale(r, attn1, attn2)
@@ -608,13 +423,15 @@ def _read_compvis(r: _Reader, trust: Optional[str]) -> Reading:
     strangers = [m for m in modules if type(m) not in known]
     unknown = tuple(sorted({class_name(m) for m in strangers}))
     if unknown and trust != "probe" and not r.reasons:  # refused already: the causes are named
-        r.no(f"its classes {', '.join(unknown)} are not ones this crate knows, so nothing can watch what their "
-             "forward reads; pass trust='probe' to accept it after a probe (see RustBlock.from_torch)")
+        r.no(
+            f"its classes {', '.join(unknown)} are not ones this crate knows, so nothing can watch what their "
+            "forward reads; pass trust='probe' to accept it after a probe (see RustBlock.from_torch)"
+        )
     for m in strangers:  # what their forward may read: a change reads the block again, and probes it again
         r.w.state(m)
     spec = None
     if None not in (dim, heads, d_head, gated):
-        spec = BlockSpec(dim, heads, d_head, context_dim, bool(gated), attention)
+        spec = BlockConfig(dim, heads, d_head, context_dim, bool(gated), attention)
     return r.result(spec, unknown)
 
 
@@ -660,7 +477,11 @@ def _read_diffusers(r: _Reader, block: nn.Module) -> Reading:
         inner = heads * d_head
         for name, attn in (("attn1", attn1), ("attn2", attn2)):
             to_k, to_v = attn._modules.get("to_k"), attn._modules.get("to_v")
-            if type(to_k) is nn.Linear and type(to_v) is nn.Linear and (to_k.out_features, to_v.out_features) != (inner, inner):
+            if (
+                type(to_k) is nn.Linear
+                and type(to_v) is nn.Linear
+                and (to_k.out_features, to_v.out_features) != (inner, inner)
+            ):
                 r.no(f"{name}.to_k/to_v do not project to {inner} (grouped or multi-query attention)")
         to_k = attn1._modules.get("to_k")
         if type(to_k) is nn.Linear and to_k.in_features != dim:
@@ -678,7 +499,7 @@ def _read_diffusers(r: _Reader, block: nn.Module) -> Reading:
     context_dim = attn2.to_k.in_features if type(attn2._modules.get("to_k")) is nn.Linear else None
     spec = None
     if None not in (dim, heads, d_head, gated):
-        spec = BlockSpec(dim, heads, d_head, context_dim, bool(gated), "sdpa")
+        spec = BlockConfig(dim, heads, d_head, context_dim, bool(gated), "sdpa")
     return r.result(spec)
 
 
@@ -687,16 +508,34 @@ def _diffusers_attention(r: _Reader, attn: Any, name: str, processor_mod) -> Non
     processor = w.get(attn, "processor")
     supported = tuple(getattr(processor_mod, n) for n in SUPPORTED_PROCESSORS)
     if type(processor) not in supported:
-        r.no(f"{name} uses attention processor {class_name(processor)}; only {', '.join(SUPPORTED_PROCESSORS)} "
-             "are supported")
+        r.no(
+            f"{name} uses attention processor {class_name(processor)}; only {', '.join(SUPPORTED_PROCESSORS)} "
+            "are supported"
+        )
     if w.get(attn, "fused_projections"):
         r.no(f"{name} has fused QKV projections (fuse_qkv_projections)")
-    for flag in ("spatial_norm", "group_norm", "norm_q", "norm_k", "norm_cross", "added_kv_proj_dim", "add_q_proj",
-                 "add_k_proj", "add_v_proj", "to_add_out"):
+    for flag in (
+        "spatial_norm",
+        "group_norm",
+        "norm_q",
+        "norm_k",
+        "norm_cross",
+        "added_kv_proj_dim",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+    ):
         if w.get(attn, flag) is not None:
             r.no(f"{name}.{flag} is set")
-    for flag in ("residual_connection", "upcast_attention", "upcast_softmax", "only_cross_attention", "is_causal",
-                 "pre_only"):
+    for flag in (
+        "residual_connection",
+        "upcast_attention",
+        "upcast_softmax",
+        "only_cross_attention",
+        "is_causal",
+        "pre_only",
+    ):
         if w.get(attn, flag, False):
             r.no(f"{name}.{flag} is True")
     factor = w.get(attn, "rescale_output_factor", 1.0)
@@ -717,12 +556,14 @@ def can_probe(weight: torch.Tensor) -> bool:
     return weight.device.type != "meta" and weight.dtype in (torch.float32, torch.float64)
 
 
-def probe(block: nn.Module, rust_forward, spec: BlockSpec, weight: torch.Tensor) -> Optional[str]:
+def probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tensor) -> Optional[str]:
     """Runs ``block`` and the Rust block on one small seeded input and returns the reason they
     differ (None: they agree within :data:`PROBE_BOUND`). Only where :func:`can_probe`."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, spec.dim, generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
-    c = torch.randn(2, 3, spec.context_dim or spec.dim, generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
+    c = torch.randn(2, 3, spec.context_dim or spec.dim, generator=g, dtype=torch.float64).to(
+        weight.device, weight.dtype
+    )
     with torch.no_grad():
         try:
             expected = block(x, c)
@@ -730,9 +571,13 @@ def probe(block: nn.Module, rust_forward, spec: BlockSpec, weight: torch.Tensor)
             return f"its forward raised {type(e).__name__} on a probe input: {e}"
         got = rust_forward(x, c)
     if not isinstance(expected, torch.Tensor) or expected.shape != got.shape:
-        return f"its forward returns {type(expected).__name__} {getattr(expected, 'shape', '')}, not a tensor of x's shape"
+        return (
+            f"its forward returns {type(expected).__name__} {getattr(expected, 'shape', '')}, not a tensor of x's shape"
+        )
     err = ((got.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
     if not err <= PROBE_BOUND:
-        return (f"its output differs from the Rust block's by {err:.3g} (||a-b||/||b||, bound {PROBE_BOUND}) on a "
-                "probe input: its forward does not compute the CompVis block")
+        return (
+            f"its output differs from the Rust block's by {err:.3g} (||a-b||/||b||, bound {PROBE_BOUND}) on a "
+            "probe input: its forward does not compute the CompVis block"
+        )
     return None

@@ -12,7 +12,7 @@ and FakeTensor see of a ``RustBlock``.
   differentiating ``RustBlock.forward`` directly), then returns the gradients asked for. One
   forward more per backward is the price of an op that is opaque to the compiler.
 
-The weights are arguments (a ``Tensor[]`` in :func:`plusequals.twin.faithful.rust_keys` order), so a
+The weights are arguments (a ``Tensor[]`` in :attr:`plusequals.twin.config.BlockConfig.keys` order), so a
 traced graph always passes the weights the module holds *now*; ``slot`` names the :class:`Twin`
 of the ``RustBlock`` that made the call, whose Rust block is reused while it still stands on
 exactly those tensors (:meth:`Twin.fresh`) and rebuilt otherwise. An unknown or dead slot
@@ -35,11 +35,12 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .faithful import rust_keys
+from .build import build
+from .config import BlockConfig
 
 __all__ = ["Twin", "block_backward", "block_forward", "block_forward_owned_"]
 
-Config = Tuple[int, int, int, Optional[int], bool, str, str]  # dim, n_heads, d_head, context_dim, gated_ff, attention, language
+Config = BlockConfig
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,16 +117,6 @@ class Twin:
         return (Twin, ())
 
 
-def build(weights: Sequence[Tensor], config: Config) -> Any:
-    """A Rust (or C++) block on ``weights``, through ``RustBlock``'s own validation."""
-    from .block import _validated_inner
-
-    dim, n_heads, d_head, context_dim, gated_ff, attention, language = config
-    inner, _ = _validated_inner(dict(zip(rust_keys(gated_ff), weights)), language, dim=dim, n_heads=n_heads,
-                                d_head=d_head, context_dim=context_dim, gated_ff=gated_ff, attention=attention)
-    return inner
-
-
 def _inner_for(weights: Sequence[Tensor], config: Config, slot: int) -> Any:
     twin = _TWINS.get(slot)
     return build(weights, config) if twin is None else twin.for_op(weights, config)
@@ -143,8 +134,10 @@ def _autocast(device_type: str, dtype: Optional[torch.dtype]):
             yield
 
 
-_AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, k) for k in (
-    "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView"))
+_AUTOGRAD_KEYS = tuple(
+    getattr(torch._C.DispatchKey, k)
+    for k in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView")
+)
 
 
 @contextlib.contextmanager
@@ -187,14 +180,20 @@ def block_forward(
     autocast: Optional[torch.dtype],
 ) -> Tensor:
     """``RustBlock.forward``: ``x = op(norm(x)) + x`` three times, in Rust (or C++)."""
-    inner = _inner_for(weights, (dim, n_heads, d_head, context_dim, gated_ff, attention, language), slot)
+    inner = _inner_for(weights, BlockConfig(dim, n_heads, d_head, context_dim, gated_ff, attention, language), slot)
     with torch.no_grad(), _autocast(x.device.type, autocast):
         y = inner.forward(x, context)
     return y.contiguous()
 
 
-def check_inputs(x: Tensor, context: Optional[Tensor], weights: Sequence[Tensor], dim: int, context_dim: Optional[int],
-                 autocast: Optional[torch.dtype]) -> None:
+def check_inputs(
+    x: Tensor,
+    context: Optional[Tensor],
+    weights: Sequence[Tensor],
+    dim: int,
+    context_dim: Optional[int],
+    autocast: Optional[torch.dtype],
+) -> None:
     """What the Rust block checks first (rust/block.rs, check_inputs), for the fake
     implementations: a traced call is refused where the real one would be, with the same words."""
     width = dim if context_dim is None else context_dim
@@ -207,15 +206,18 @@ def check_inputs(x: Tensor, context: Optional[Tensor], weights: Sequence[Tensor]
         if t.dim() != 3 or t.shape[-1] != w:
             raise ValueError(f"{name} expected shape (batch, tokens, {w}), got {list(t.shape)}")
         if kind is not None and t.dtype != kind and t.dtype != autocast:
-            raise ValueError(f"{name} dtype {t.dtype} does not match the block's weights ({kind}), and autocast is "
-                             + ("off" if autocast is None else f"{autocast}"))
+            raise ValueError(
+                f"{name} dtype {t.dtype} does not match the block's weights ({kind}), and autocast is "
+                + ("off" if autocast is None else f"{autocast}")
+            )
     if context is not None and context.shape[0] != x.shape[0]:
         raise ValueError(f"context batch {context.shape[0]} does not match x's batch {x.shape[0]}")
 
 
 @block_forward.register_fake
-def _block_forward_fake(x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language, slot,
-                        autocast):
+def _block_forward_fake(
+    x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language, slot, autocast
+):
     check_inputs(x, context, weights, dim, context_dim, autocast)
     return x.new_empty(x.shape, dtype=out_dtype(x.dtype, autocast))
 
@@ -223,7 +225,7 @@ def _block_forward_fake(x, context, weights, dim, n_heads, d_head, context_dim, 
 def _setup_context(ctx, inputs, output) -> None:
     x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language, slot, autocast = inputs
     ctx.save_for_backward(x, context, *weights)
-    ctx.config = (dim, n_heads, d_head, context_dim, gated_ff, attention, language)
+    ctx.config = BlockConfig(dim, n_heads, d_head, context_dim, gated_ff, attention, language)
     ctx.autocast = autocast
     ctx.needs = (x.requires_grad, context is not None and context.requires_grad, [w.requires_grad for w in weights])
 
@@ -266,7 +268,7 @@ def block_backward(
 ) -> List[Tensor]:
     """The gradients of ``block_forward`` for x, context and each weight (an empty tensor where
     not asked for): the Rust forward again, on detached leaves, differentiated by libtorch."""
-    config = (dim, n_heads, d_head, context_dim, gated_ff, attention, language)
+    config = BlockConfig(dim, n_heads, d_head, context_dim, gated_ff, attention, language)
     needs = [need_x, need_context and context is not None, *need_weights]
     with _autograd_on():
         xl = x.detach().requires_grad_(need_x)
@@ -288,8 +290,23 @@ def block_backward(
 
 
 @block_backward.register_fake
-def _block_backward_fake(grad, x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language,
-                         autocast, need_x, need_context, need_weights):
+def _block_backward_fake(
+    grad,
+    x,
+    context,
+    weights,
+    dim,
+    n_heads,
+    d_head,
+    context_dim,
+    gated_ff,
+    attention,
+    language,
+    autocast,
+    need_x,
+    need_context,
+    need_weights,
+):
     needs = [need_x, need_context and context is not None, *need_weights]
     return [t.new_empty(t.shape) if n else x.new_empty(0) for t, n in zip([x, context, *weights], needs)]
 
@@ -317,14 +334,15 @@ def block_forward_owned_(
     """``RustBlock.forward_owned``: ``x += op(norm(x))`` three times, the result left in ``x``.
     (Rust's ownership check sees the handles a dispatcher call keeps on ``x``, so Rust works on
     its own copy, and the result is copied back.)"""
-    inner = _inner_for(weights, (dim, n_heads, d_head, context_dim, gated_ff, attention, language), slot)
+    inner = _inner_for(weights, BlockConfig(dim, n_heads, d_head, context_dim, gated_ff, attention, language), slot)
     with torch.no_grad(), _autocast(x.device.type, autocast):
         y = inner.forward_owned(x, context, donate=False)
         x.copy_(y)
 
 
 @block_forward_owned_.register_fake
-def _block_forward_owned_fake(x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language,
-                              slot, autocast):
+def _block_forward_owned_fake(
+    x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language, slot, autocast
+):
     check_inputs(x, context, weights, dim, context_dim, autocast)
     return None

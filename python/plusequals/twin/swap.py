@@ -29,8 +29,10 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .faithful import SUPPORTED_PROCESSORS, UnsupportedBlockError, read_block, rust_keys
+from ..errors import UnsupportedBlockError
 from .block import RustBlock
+from .config import rust_keys
+from .faithful import SUPPORTED_PROCESSORS, read_block
 
 __all__ = [
     "RustTransformerBlock",
@@ -68,9 +70,9 @@ def _diffusers():
         return _MODULES
     try:
         import diffusers  # noqa: F401
+        from diffusers.models import activations as activations_mod
         from diffusers.models import attention as attention_mod
         from diffusers.models import attention_processor as processor_mod
-        from diffusers.models import activations as activations_mod
     except ImportError as e:  # pragma: no cover - exercised in a subprocess by the tests
         raise ImportError(
             "swap_transformer_blocks needs diffusers, an optional dependency of plusequals: "
@@ -139,7 +141,9 @@ class RustTransformerBlock(RustBlock):
         if attention_mask is not None:
             raise UnsupportedBlockError(f"{where}: attention_mask is not supported by the Rust block (pass None)")
         if encoder_attention_mask is not None:
-            raise UnsupportedBlockError(f"{where}: encoder_attention_mask is not supported by the Rust block (pass None)")
+            raise UnsupportedBlockError(
+                f"{where}: encoder_attention_mask is not supported by the Rust block (pass None)"
+            )
         if cross_attention_kwargs:
             raise UnsupportedBlockError(
                 f"{where}: cross_attention_kwargs {sorted(cross_attention_kwargs)} are not supported by the Rust block "
@@ -261,7 +265,8 @@ def swap_transformer_blocks(model: nn.Module, *, owned: bool = False) -> SwapHan
     if refusals:
         raise UnsupportedBlockError(
             f"swap_transformer_blocks refused {n_bad} of {len(sites)} BasicTransformerBlock(s); nothing was swapped. "
-            "Only what the Rust block reproduces exactly is supported (plusequals.twin.faithful: LayerNorm norms, bias-free "
+            "Only what the Rust block reproduces exactly is supported (plusequals.twin.faithful: LayerNorm norms, "
+            "bias-free "
             "q/k/v, a GEGLU or exact-GELU feed-forward, the default attention processor, no active dropout, masks, "
             "ada-norm, positional embeddings or hooks):\n" + "\n".join(refusals)
         )

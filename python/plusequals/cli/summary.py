@@ -1,30 +1,27 @@
 """The report's answers in the terminal: the verdicts (each a paired ratio with its spread over
 the shapes and how many cells are within noise), the targets with their statuses, and where
 REPORT.md is. ``build`` makes it from results.json alone; ``show`` prints it with rich;
-``--json`` prints ``build``'s dict instead.
+``--json`` prints ``build``'s dict instead; ``emit`` does either at the end of a report run.
 
-``python -m plusequals summary [DIR]`` prints it again for a finished report.
+``python -m plusequals summary [DIR]`` (``main``) prints it again for a finished report.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import sys
 from pathlib import Path
-from typing import Iterator
 
 from rich.console import Console
 from rich.markup import escape
 from rich.padding import Padding
 from rich.table import Table
 
-from . import report
+from ..bench.analyse import INFORMATIONAL, on_target, verdict_items
+from ..bench.results import Results, fmt
 
 SCHEMA = 1
-INFORMATIONAL = "informational: targets are for the H200, full shapes"
 STATUS_STYLE = {"met": "green", "missed": "red", "not measurable here": "dim"}
 
 
@@ -35,9 +32,11 @@ class IncompleteReport(Exception):
 def build(data: dict, outdir: Path) -> dict:
     """The summary of one report, every number taken from ``data`` (results.json)."""
     if not data.get("complete"):
-        raise IncompleteReport(f"{outdir / 'results.json'} is from an interrupted run (no verdicts yet): run `make report` again")
-    cfg, env = data["config"], data["environment"]
-    on_target = cfg["device"] == report.TARGET_DEVICE and not cfg["quick"]
+        raise IncompleteReport(
+            f"{outdir / 'results.json'} is from an interrupted run (no verdicts yet): run `make report` again"
+        )
+    results = Results.load(data)
+    cfg, env = results.config, results.environment
     return {
         "schema": SCHEMA,
         "report": str(outdir / "REPORT.md"),
@@ -47,12 +46,12 @@ def build(data: dict, outdir: Path) -> dict:
         "machine": env.get("gpu") or f"{env['cpu']}, {env['cpu_threads']} threads",
         "dtype": cfg["dtype"],
         "quick": cfg["quick"],
-        "informational": not on_target,
+        "informational": not on_target(results),
         "elapsed_s": data.get("elapsed_s"),
         "reference": cfg["reference"],
         "batches": cfg["batches"],
-        "verdicts": report.verdict_items(data),
-        "targets": [t | {"state": t["status"].split(" (")[0]} for t in data["targets"]],
+        "verdicts": [v.to_json() for v in verdict_items(results)],
+        "targets": [t.to_json() | {"state": t.status.split(" (")[0]} for t in results.targets],
     }
 
 
@@ -65,7 +64,7 @@ def _cell(c: dict) -> str:
     """One comparison at one batch, on two lines: the paired medians' range over the shapes (a
     single cell: its median [Q1, Q3]), then in how many cells the first is faster, slower, or
     the same within noise."""
-    n, fmt = c["cells"], report.fmt
+    n = c["cells"]
     if n == 1:
         word = "[green]faster[/]" if c["faster"] else ("[red]slower[/]" if c["slower"] else "≈ within noise")
         return f"{fmt(c['lo'])} [{fmt(c['q1'])}, {fmt(c['q3'])}]\n{word}"
@@ -78,7 +77,7 @@ def _cell(c: dict) -> str:
 
 
 def _measured(g: dict) -> str:
-    return "-" if g["value"] is None else f"{report.fmt(g['value'])} {g['unit'].replace(' (worst shape)', '')}"
+    return "-" if g["value"] is None else f"{fmt(g['value'])} {g['unit'].replace(' (worst shape)', '')}"
 
 
 def _label(c: dict, reference: str) -> str:
@@ -121,7 +120,9 @@ def show(s: dict, console: Console) -> None:
     console.rule(f"[bold]plusequals report[/]: {s['device']} {s['dtype']}, {shapes}")
     console.print(f"[dim]{escape(s['machine'])}[/]")
     if s["informational"]:
-        where = " at ".join(w for w in ("a CPU" if s["device"] == "cpu" else "", "quick shapes" if s["quick"] else "") if w)
+        where = " at ".join(
+            w for w in ("a CPU" if s["device"] == "cpu" else "", "quick shapes" if s["quick"] else "") if w
+        )
         console.print(
             f"[yellow]Informational:[/] times from {where}. The targets are for the H200 at SD v1 shapes; "
             "here the ratios show the method, not the verdict."
@@ -129,7 +130,8 @@ def show(s: dict, console: Console) -> None:
     console.print()
     console.print(
         f"[bold]Verdicts[/] [dim]time / {s['reference']} (or a / b), paired in each round: the lowest–highest median "
-        "over the shapes, then in how many cells it is faster or slower ([Q1, Q3] below or above 1) or ≈ (within noise)[/]"
+        "over the shapes, then in how many cells it is faster or slower ([Q1, Q3] below or above 1) or ≈ (within "
+        "noise)[/]"
     )
     table, once = verdict_table(s)
     console.print(table)
@@ -145,7 +147,12 @@ def show(s: dict, console: Console) -> None:
             console.print(t)
     console.print()
     targets = [
-        (f"[{STATUS_STYLE.get(g['state'], 'default')}]{g['state']}[/]", escape(g["target"]), _measured(g), report.fmt(g["limit"]))
+        (
+            f"[{STATUS_STYLE.get(g['state'], 'default')}]{g['state']}[/]",
+            escape(g["target"]),
+            _measured(g),
+            fmt(g["limit"]),
+        )
         for g in s["targets"]
     ]
     if console.width < max(len(g["state"]) + len(g["target"]) + len(_measured(g)) for g in s["targets"]) + 12:
@@ -179,27 +186,15 @@ def emit(data: dict, outdir: Path, output: str, console: Console) -> None:
         show(s, console)
 
 
-@contextlib.contextmanager
-def stdout_to_stderr() -> Iterator[None]:
-    """While a ``--json`` run measures, whatever prints to stdout (Python or C) goes to stderr,
-    so that stdout ends up holding the summary's JSON alone."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def main(directory: str, as_json: bool) -> int:
+    """``python -m plusequals summary``: the summary of the report in ``directory``, again."""
     outdir = Path(directory)
     path = outdir / "results.json"
     if not path.exists():
-        print(f"{path}: no report there: run `make report` (or `python -m plusequals report --out {outdir}`)", file=sys.stderr)
+        print(
+            f"{path}: no report there: run `make report` (or `python -m plusequals report --out {outdir}`)",
+            file=sys.stderr,
+        )
         return 2
     try:
         emit(json.loads(path.read_text()), outdir, "json" if as_json else "rich", Console())

@@ -1,0 +1,413 @@
+"""REPORT.md and the plots, rendered from a results.json alone (``render``, ``plots``): one
+function per section, each reading the typed rows of :class:`.results.Results`; every number
+printed with :func:`.results.fmt`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from .analyse import EXTRA_PAIRS, verdict_items
+from .results import Paired, Results, Row, UnetRow, fmt
+
+# Marks a paired ratio whose interquartile interval contains 1.
+NOISE_MARK = "≈"
+
+
+# ----------------------------------------------------------------------------- cells
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def time_cell(r: Optional[Row]) -> str:
+    return "-" if r is None else f"{fmt(r.median_ms)} ({fmt(r.iqr_ms)})"
+
+
+def ratio(median: float, q1: float, q3: float, within_noise: bool) -> str:
+    """median [Q1, Q3] of a paired ratio; NOISE_MARK when the interval contains 1."""
+    return f"{fmt(median)} [{fmt(q1)}, {fmt(q3)}]" + (f" {NOISE_MARK}" if within_noise else "")
+
+
+def ratio_cell(p: Optional[Paired]) -> str:
+    return "-" if p is None else ratio(p.median, p.q1, p.q3, p.within_noise)
+
+
+def unet_ratio_cell(r: UnetRow) -> str:
+    return "reference" if r.name == "eager" else ratio(r.vs_eager, r.vs_eager_q1, r.vs_eager_q3, r.within_noise)
+
+
+def _or_dash(v: Optional[float]) -> str:
+    return "-" if v is None else fmt(v)
+
+
+# ----------------------------------------------------------------------------- sections
+def _header(res: Results) -> list[str]:
+    cfg, env = res.config, res.environment
+    shapes = cfg["shapes_note"] if cfg["quick"] else cfg["model"] + " shapes at " + cfg["resolution"]
+    md = [
+        "# plusequals benchmark report",
+        "",
+        f"Device **{cfg['device']}** ({env.get('gpu', env['cpu'])}), dtype **{cfg['dtype']}**, "
+        f"{shapes}; context {cfg['context'][0]} x {cfg['context'][1]}; "
+        f"batches {', '.join(str(b) for b in cfg['batches'])}; every variant under {cfg['grad_mode']}. Run took "
+        f"{fmt(res.elapsed_s)} s.",
+        "",
+        _method(cfg),
+    ]
+    if not cfg["torch_compile"]:
+        md += ["", f"torch.compile was not measured: {cfg['torch_compile_skipped_reason']}."]
+    if cfg["device"] == "cpu":
+        md += [
+            "",
+            "> A CPU run (here: "
+            + f"{env['cpu_threads']} threads"
+            + ") times libtorch's CPU kernels; it is no verdict on the GPU, where the seed's question lives.",
+        ]
+    return md
+
+
+def _method(cfg: dict) -> str:
+    return (
+        "**Method.** The variants of a (batch, shape) cell are timed together, in rounds, after one warm-up of each. "
+        "Each round times every variant once, and every reset that a variant subtracts, in an order shuffled per round "
+        "(each cell's seed, orders and raw times are in results.json). "
+        f"A cell runs {cfg['rounds']} rounds, and more (up to {cfg['max_rounds']}, for at most "
+        f"{fmt(cfg['extra_rounds_s'])} s) "
+        f"while the IQR of any of its paired ratios to `{cfg['reference']}` exceeds {fmt(cfg['settled_paired_iqr'])}. "
+        "One sample is one torch.utils.benchmark `Timer.timeit(number)`, with `number` set at warm-up so that a "
+        f"sample takes about {fmt(cfg['sample_s'])} s. "
+        "A time is the median over the rounds (IQR over the rounds), in ms per block forward. "
+        "A ratio is paired: it is computed within each round, then summarised as median [first quartile, third "
+        "quartile] over the rounds. "
+        f"{NOISE_MARK} marks a ratio whose interquartile interval contains 1: that difference is within the "
+        "round-to-round noise. "
+        "A change in machine load during the run moves the variants of a round together, so it cancels in their ratio."
+    )
+
+
+def _machine(res: Results) -> list[str]:
+    ceil = res.ceilings
+    return [
+        "",
+        "## Environment",
+        "",
+        table(["what", "value"], [[k, str(v)] for k, v in res.environment.items()]),
+        "",
+        "## Ceilings measured in this run",
+        "",
+        f"torch.utils.benchmark blocked_autorange, min run time {fmt(ceil['min_run_time_s'])} s:",
+        "",
+        table(
+            ["GEMM n", "GEMM TFLOP/s", "copy MiB", "copy GB/s"],
+            [[fmt(ceil["gemm_n"]), fmt(ceil["gemm_tflops"]), fmt(ceil["copy_mib"]), fmt(ceil["copy_gbps"])]],
+        ),
+    ]
+
+
+def _batch(res: Results, batch: int) -> list[str]:
+    """The section of one batch: times, paired ratios, drift, per step and (CUDA) memory."""
+    md = (
+        ["", f"## Time per block call, batch {batch}", ""]
+        + _times(res, batch)
+        + _ratios(res, batch)
+        + _drift(res, batch)
+        + _per_step(res, batch)
+    )
+    return md + (_memory(res, batch) if res.config["device"] == "cuda" else [])
+
+
+def _times(res: Results, batch: int) -> list[str]:
+    shapes = res.shapes
+    notes = {r.variant: r.note for r in res.rows.values()}
+    rows = [[f"`{v}`"] + [time_cell(res.row(batch, sh, v)) for sh in shapes] + [notes[v]] for v in res.variants]
+    rows.append(
+        ["roofline floor"]
+        + [fmt(res.roofline[batch, sh].roofline_ms) for sh in shapes]
+        + ["GEMM rate and copy bandwidth above"]
+    )
+    rows.append(
+        ["rounds"] + [fmt(res.cells[batch, sh].rounds) for sh in shapes] + ["samples behind each cell of this column"]
+    )
+    return [
+        f"Median ms (IQR ms) over the cell's rounds (batch {batch}):",
+        "",
+        table(["variant"] + shapes + ["the time includes"], rows),
+    ]
+
+
+def _ratios(res: Results, batch: int) -> list[str]:
+    shapes, ref = res.shapes, res.reference
+    rows = [
+        [f"`{v}`"] + [ratio_cell(res.paired.get((batch, sh, v, ref))) for sh in shapes]
+        for v in res.variants
+        if v != ref
+    ]
+    md = [
+        "",
+        f"Paired ratio to `{ref}` (batch {batch}): median [Q1, Q3] over rounds; below one is faster; {NOISE_MARK}: "
+        "within noise:",
+        "",
+    ]
+    md.append(table(["variant"] + shapes, rows))
+    extra = [(a, b) for a, b in EXTRA_PAIRS if any((batch, sh, a, b) in res.paired for sh in shapes)]
+    if extra:
+        rows = [[f"`{a}` / `{b}`"] + [ratio_cell(res.paired.get((batch, sh, a, b))) for sh in shapes] for a, b in extra]
+        md += ["", f"Other paired ratios (batch {batch}):", "", table(["ratio"] + shapes, rows)]
+    return md
+
+
+def _drift(res: Results, batch: int) -> list[str]:
+    rows = [
+        [d.shape, ", ".join(fmt(t) for t in d.rounds_ms), fmt(d.max_over_min)]
+        for d in res.drift.values()
+        if d.batch == batch
+    ]
+    return [
+        "",
+        f"Drift: `{res.reference}` in each round, in time order (batch {batch}; ms):",
+        "",
+        table(["shape", "ms per round", "max / min"], rows),
+    ]
+
+
+def _per_step(res: Results, batch: int) -> list[str]:
+    ref, blocks = res.reference, res.blocks.values()
+    rows = [
+        [f"`{p.variant}`", fmt(p.blocks_ms_per_step), fmt(p.blocks_only_it_per_s), _or_dash(p.vs_reference)]
+        for p in res.per_step.values()
+        if p.batch == batch
+    ]
+    return [
+        "",
+        f"Per UNet step (batch {batch}; blocks per shape {', '.join(str(n) for n in blocks)}), transformer blocks "
+        "only: "
+        f"the sum of the medians, and the paired ratios to `{ref}` weighted by each shape's share of its step:",
+        "",
+        table(["variant", "ms per step", "it/s (blocks only)", f"vs `{ref}` (paired)"], rows),
+    ]
+
+
+def _memory(res: Results, batch: int) -> list[str]:
+    def cell(r: Optional[Row]) -> str:
+        peak, host = (None, None) if r is None else (r.peak_mb, r.host_ms)
+        return f"{_or_dash(peak)} MB / {_or_dash(host)} ms"
+
+    rows = [[f"`{v}`"] + [cell(res.row(batch, sh, v)) for sh in res.shapes] for v in res.variants]
+    return [
+        "",
+        f"Peak memory and host time per call (batch {batch}; host time: unsynchronised, the reset's host time "
+        "subtracted):",
+        "",
+        table(["variant"] + res.shapes, rows),
+    ]
+
+
+def _profile(res: Results) -> list[str]:
+    if not res.profile:
+        return []
+    unit = "CUDA" if res.config["device"] == "cuda" else "CPU"
+    rows = [
+        [
+            str(p.batch),
+            p.shape,
+            f"`{p.variant}`",
+            fmt(p.aten_ops_per_call),
+            fmt(p.self_cpu_ms_per_call),
+            _or_dash(p.self_cuda_ms_per_call),
+            ", ".join(f"{t.op[6:]} {fmt(t.ms_per_call)}" for t in p.top[:3]),
+        ]
+        for p in res.profile
+    ]
+    return [
+        "",
+        "## Where the time goes (torch.profiler, per call; the profiler adds overhead of its own)",
+        "",
+        table(
+            [
+                "batch",
+                "shape",
+                "variant",
+                "aten ops (incl. nested)",
+                "self CPU ms",
+                "self CUDA ms",
+                f"top ops by self {unit} ms",
+            ],
+            rows,
+        ),
+        "",
+        "The wall time of a call that the profiler does not attribute to aten ops is the caller's own: "
+        "Python (eager) or the binding (Rust), plus launch latency on CUDA.",
+    ]
+
+
+def _boundary(res: Results) -> list[str]:
+    rows = [
+        [
+            str(b.batch),
+            b.shape,
+            f"{fmt(b.echo_us)} ({fmt(b.echo_iqr_us)})",
+            f"{fmt(b.echo_checked_us)} ({fmt(b.echo_checked_iqr_us)})",
+            fmt(b.checked_over_echo),
+            f"{fmt(b.donation_check_us)} ({fmt(b.donation_check_iqr_us)})",
+            f"{fmt(b.ownership_check_us)} ({fmt(b.ownership_check_iqr_us)})",
+        ]
+        for b in res.boundary
+    ]
+    header = [
+        "batch",
+        "shape",
+        "raw echo() us",
+        "through RustBlock's checks us",
+        "checked / raw (paired)",
+        "donation_check us",
+        "checks alone us (paired)",
+    ]
+    return [
+        "",
+        "## The boundary",
+        "",
+        "`echo()` crosses into Rust and back with no op: the raw binding `RustBlock._block.echo(x, context)` "
+        "(unwrap, GIL release, wrap), "
+        "and the same call through `RustBlock.forward`'s Python checks (what a caller of `RustBlock` pays). "
+        "`donation_check` runs a donation's checks without the move: shapes, dtype, device and libtorch's ownership "
+        "counts "
+        "(rust/ownership.rs); the ownership checks cost its time minus the raw echo, paired within each round. "
+        "Timed in the cells' rounds; median (IQR) over rounds:",
+        "",
+        table(header, rows),
+    ]
+
+
+def _host_cost(res: Results) -> list[str]:
+    hc, ref = res.host_cost, res.reference
+    if hc is None:
+        return []
+    sh = hc.shape
+    paired = {(p.variant, p.vs): p for p in hc.paired or []}
+    rows = [
+        [
+            f"`{r.variant}`",
+            f"{fmt(r.median_ms * 1e3)} ({fmt(r.iqr_ms * 1e3)})",
+            ratio_cell(paired.get((r.variant, ref))),
+            r.note,
+        ]
+        for r in hc.rows
+    ]
+    md = [
+        "",
+        "## Host cost, where kernels cost almost nothing",
+        "",
+        "At the quick shapes the kernels hide what a call costs the host. Here they cost almost nothing: batch "
+        f"{hc.batch}, "
+        f"{sh['tokens']} tokens of width {sh['dim']} ({sh['heads']} heads of {sh['d_head']}), context "
+        f"{hc.context[0]}x{hc.context[1]}, {hc.threads} intra-op thread. What is left is Python's dispatch (eager), "
+        "the binding and tch (Rust), or ATen alone (C++). Timed in interleaved rounds like the cells above.",
+        "",
+        f"Host cost: us per call, median (IQR) over {hc.cell['rounds']} rounds; paired ratio to `{ref}`, median [Q1, "
+        "Q3]:",
+        "",
+        table(["variant", "us per call", f"/ `{ref}` (paired)", "the time includes"], rows),
+    ]
+    if tch := paired.get(("rust/loop", "cpp/loop")):
+        md += ["", f"The tch layer here: `rust/loop` / `cpp/loop`, paired: {ratio_cell(tch)}."]
+    return md
+
+
+def _unet(res: Results) -> list[str]:
+    u = res.unet_step
+    if u is None:
+        return []
+    md = ["", "## A whole UNet step", "", u.what]
+    if u.rows:
+        rows = [[r.name, fmt(r.median_ms), fmt(r.iqr_ms), unet_ratio_cell(r)] for r in u.rows]
+        md += ["", table(["implementation", "median ms", "IQR ms", "vs eager (paired)"], rows)]
+    if u.max_rel_err_rust is not None:
+        md += ["", f"Rust-block UNet output vs eager: relative error {fmt(u.max_rel_err_rust)}."]
+    if u.block_share is not None:
+        md += [
+            f"Share of the eager step spent in the transformer blocks ({u.block_share_method}): {fmt(u.block_share)}."
+        ]
+    if u.skipped:
+        md += ["", f"Skipped: {u.skipped}"]
+    return md
+
+
+def _conclusions(res: Results) -> list[str]:
+    rows = [
+        [t.target, "-" if t.value is None else f"{fmt(t.value)} {t.unit}", fmt(t.limit), t.status, t.detail]
+        for t in res.targets
+    ]
+    md = ["", "## Verdicts (paired ratios)", ""] + [v.text for v in verdict_items(res)]
+    md += ["", "## Targets", "", table(["target", "measured", "limit", "status", "how"], rows)]
+    md += ["", "## Plots", "", "![time per shape](time_per_shape.png)"]
+    if res.config["device"] == "cuda":
+        md.append("![peak memory](peak_memory.png)")
+    else:
+        md.append("(No peak-memory plot: the CPU allocator keeps no statistics.)")
+    return md + ["", "Every number above is in results.json beside this file."]
+
+
+def render(data: dict) -> str:
+    """REPORT.md from a results.json (``data``) alone."""
+    res = Results.load(data)
+    md = _header(res) + _machine(res)
+    for batch in res.batches:
+        md += _batch(res, batch)
+    md += _profile(res) + _boundary(res) + _host_cost(res) + _unet(res) + _conclusions(res)
+    return "\n".join(md) + "\n"
+
+
+# ----------------------------------------------------------------------------- plots
+def plots(data: dict, outdir: Path) -> None:
+    """time_per_shape.png (every variant, every batch) and, on CUDA, peak_memory.png (batch 2)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = Results.load(data)
+    cfg, shapes, variants = res.config, res.shapes, res.variants
+    fig, axes = plt.subplots(1, len(res.batches), figsize=(7 * len(res.batches), 5.5), squeeze=False)
+    width = 0.8 / len(variants)
+    for ax, batch in zip(axes[0], res.batches):
+        for i, v in enumerate(variants):
+            rows = [res.row(batch, sh, v) for sh in shapes]
+            ys = [float("nan") if r is None else r.median_ms for r in rows]
+            errs = [0.0 if r is None else r.iqr_ms for r in rows]
+            ax.bar(
+                [j + i * width for j in range(len(shapes))], ys, width, yerr=errs, label=v, color=plt.cm.tab20(i % 20)
+            )
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms per block call (median, IQR bars)")
+        ax.set_title(f"{cfg['device']} {cfg['dtype']}, batch {batch}")
+    axes[0][0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(outdir / "time_per_shape.png", dpi=110)
+    plt.close(fig)
+    if cfg["device"] == "cuda":
+        _memory_plot(res, outdir, plt)
+
+
+def _memory_plot(res: Results, outdir: Path, plt) -> None:
+    shapes = res.shapes
+    fig, ax = plt.subplots(figsize=(9, 5))
+    mem_variants = [v for v in res.variants if v.startswith(("eager/", "rust/forward"))]
+    for i, v in enumerate(mem_variants):
+        ys = [(r.peak_mb if (r := res.row(2, sh, v)) else None) or float("nan") for sh in shapes]
+        ax.bar(
+            [j + i * (0.8 / len(mem_variants)) for j in range(len(shapes))],
+            ys,
+            0.8 / len(mem_variants),
+            label=v,
+            color=plt.cm.tab20(i % 20),
+        )
+    ax.set_xticks(range(len(shapes)), shapes)
+    ax.set_ylabel("peak MB above inputs, batch 2")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(outdir / "peak_memory.png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,75 @@
+"""``python -m plusequals report``: every residual strategy x PyTorch eager, torch.compile, the
+CUDA-graph floor, Rust and C++ (and JAX / ONNX Runtime where installed), timed in one run; writes
+DIR/results.json (every number), DIR/REPORT.md (rendered from results.json alone) and DIR/*.png,
+then prints the summary (:mod:`.summary`).
+
+results.json is rewritten after every measurement, so an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from rich.console import Console
+
+from ..bench import analyse, measure, render
+from .summary import emit
+
+
+def run(
+    device: Optional[str] = None,
+    quick: Optional[bool] = None,
+    out: str = "report",
+    unet: bool = True,
+    compile: bool = True,
+    compilers_flag: bool = True,
+    output: str = "rich",
+) -> int:
+    """``quick=None``: quick shapes on the CPU (SD v1 shapes are long on a small CPU), SD v1 shapes on CUDA.
+    ``output``: "rich" (progress, then the summary), "quiet" (REPORT.md's path alone) or "json"
+    (the summary as JSON, alone on stdout)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    quick = (device == "cpu") if quick is None else quick
+    if device == "cuda" and not torch.cuda.is_available():
+        Console(stderr=True).print("[red]--device cuda: no CUDA device is available[/]")
+        return 2
+    console = Console(quiet=output != "rich")
+    outdir = Path(out)
+    with stdout_to_stderr() if output == "json" else contextlib.nullcontext():
+        data = report(measure.plan(device, quick, unet, compile, compilers_flag), outdir, console)
+    emit(data, outdir, output, console)
+    return 0
+
+
+def report(plan: measure.Plan, outdir: Path, console: Console) -> dict:
+    """Measures, analyses and marks results.json complete, then renders REPORT.md and the plots
+    from it; returns results.json's contents."""
+    t_start = time.perf_counter()
+    rec = measure.measure(plan, outdir, console)
+    analyse.summarize(rec.data)
+    rec.finish(elapsed_s=time.perf_counter() - t_start)
+    (outdir / "REPORT.md").write_text(render.render(rec.data))
+    render.plots(rec.data, outdir)
+    return rec.data
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """While a ``--json`` run measures, whatever prints to stdout (Python or C) goes to stderr,
+    so that stdout ends up holding the summary's JSON alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

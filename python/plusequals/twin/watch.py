@@ -1,0 +1,232 @@
+"""What a reading of a module looked at, and whether it is all still there: :class:`Watch`.
+
+Every value the reading (:func:`plusequals.twin.faithful.read_block`) looked at, with the dict
+it sits in; the exact class of every module of the block; the size of every dict read from;
+the module's hook dicts, and torch's global module hooks. :meth:`Watch.seal` hands all of it to
+Rust (``plusequals._rust.Watch``), which every call of a ``RustBlock`` compares first, in one pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from .. import _rust
+
+__all__ = ["Watch", "class_name", "global_hook_kinds"]
+
+
+def class_name(obj: Any) -> str:
+    """``obj``'s class as a reader finds it: ``nn.Linear`` for torch's own layers, the qualified
+    name otherwise (``peft.tuners.lora.layer.Linear``, not a bare ``Linear``)."""
+    cls = type(obj)
+    if cls.__module__.startswith("torch.nn.modules."):
+        return f"nn.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _global_hooks() -> Dict[str, dict]:
+    """torch's global module hooks, by kind: they fire on every module's forward or backward,
+    the PyTorch block's submodules included, which the Rust block bypasses."""
+    from torch.nn.modules import module
+
+    return {
+        "forward": module._global_forward_hooks,
+        "forward pre": module._global_forward_pre_hooks,
+        "backward": module._global_backward_hooks,
+        "backward pre": module._global_backward_pre_hooks,
+    }
+
+
+def _observer_types() -> tuple:
+    """Trackers whose global hooks only observe which module runs (FlopCounterMode's
+    ModuleTracker, ModTracker): they change no input or output, and see the RustBlock as one
+    module."""
+    from torch.utils.module_tracker import ModuleTracker
+
+    types = [ModuleTracker]
+    try:
+        from torch.distributed._tools.mod_tracker import ModTracker
+
+        types.append(ModTracker)
+    except ImportError:  # torch built without distributed
+        pass
+    return tuple(types)
+
+
+def global_hook_kinds() -> List[str]:
+    """The kinds of global module hooks registered now, other than observers'."""
+    observers = _observer_types()
+    return [
+        kind
+        for kind, hooks in _global_hooks().items()
+        if any(not isinstance(getattr(h, "__self__", None), observers) for h in hooks.values())
+    ]
+
+
+class Watch:
+    """Every value a reading looked at, with the dict it sits in (a module's ``__dict__``,
+    ``_modules`` or ``_parameters``), and the size of each dict read from. :meth:`unchanged`
+    compares them in one pass in Rust (``plusequals._rust.Watch``, which every call of a
+    ``RustBlock`` runs first): every value by identity (a value set again, equal, only costs a
+    second reading); the exact class of every module read; the sizes (an attribute set later on
+    an instance, such as accelerate's ``_hf_hook`` and ``forward``; a submodule appended to a
+    ``Sequential``; a parameter or buffer added). Hook dicts must stay empty, and torch's global
+    module hooks as they were. A change only costs a second reading, so a false alarm is
+    harmless."""
+
+    __slots__ = (
+        "vdicts",
+        "vkeys",
+        "values",
+        "tdicts",
+        "tkeys",
+        "tensors",
+        "ldicts",
+        "lens",
+        "hook_dicts",
+        "attrs",
+        "modules",
+        "classes",
+        "globals",
+        "rust",
+        "_seen",
+        "_lseen",
+        "_mseen",
+    )
+
+    def __init__(self) -> None:
+        self.vdicts: List[dict] = []
+        self.vkeys: List[str] = []
+        self.values: List[Any] = []
+        self.tdicts: List[dict] = []  # tensors (parameters), and unknown classes' state
+        self.tkeys: List[str] = []
+        self.tensors: List[Any] = []
+        self.ldicts: List[dict] = []
+        self.lens: List[int] = []
+        self.hook_dicts: List[dict] = []
+        self.modules: List[nn.Module] = []  # every module read, and its exact class
+        self.classes: List[type] = []
+        self.globals: List[dict] = list(_global_hooks().values())
+        self.rust: Any = None  # the Rust watch, made by seal()
+        # (object, name, value) of every non-tensor value: what a traced forward compares, so
+        # that torch.compile guards on it (tensors reach the custom op as arguments instead).
+        self.attrs: List[Tuple[Any, str, Any]] = []
+        self._seen: set = set()
+        self._lseen: set = set()
+        self._mseen: set = set()
+
+    def _sized(self, d: dict) -> None:
+        if id(d) not in self._lseen:
+            self._lseen.add(id(d))
+            self.ldicts.append(d)
+
+    def _note(self, d: dict, key: str, value: Any, obj: Any, by_identity: bool = False) -> Any:
+        if (id(d), key) in self._seen:
+            return value
+        self._seen.add((id(d), key))
+        if by_identity or isinstance(value, torch.Tensor):
+            self.tdicts.append(d)
+            self.tkeys.append(key)
+            self.tensors.append(value)
+        else:
+            self.vdicts.append(d)
+            self.vkeys.append(key)
+            self.values.append(value)
+            self.attrs.append((obj, key, value))
+        return value
+
+    def module(self, m: nn.Module) -> None:
+        """Notes ``m``'s exact class and the sizes of its submodule, parameter and buffer dicts."""
+        if id(m) in self._mseen:
+            return
+        self._mseen.add(id(m))
+        self.modules.append(m)
+        self.classes.append(type(m))
+        for store in (m._modules, m._parameters, m._buffers):
+            self._sized(store)
+
+    def state(self, m: nn.Module) -> None:
+        """Notes every value on the instance ``m`` by identity: the state an unknown class's
+        forward may read (mutation inside a value, a class attribute or a global it reads is
+        beyond this: see ``RustBlock.from_torch``'s ``trust``)."""
+        self._sized(m.__dict__)
+        for key, value in m.__dict__.items():
+            if key not in _MODULE_STORES:
+                self._note(m.__dict__, key, value, m, by_identity=True)
+
+    def get(self, obj: Any, name: str, default: Any = None) -> Any:
+        """``getattr(obj, name, default)``, noted."""
+        if isinstance(obj, nn.Module):  # its class and stores: tree() notes every module of the block
+            for store in (obj._parameters, obj._buffers, obj._modules):
+                if name in store:
+                    return self._note(store, name, store[name], obj)
+        d = getattr(obj, "__dict__", None)
+        if d is None:
+            return getattr(obj, name, default)
+        self._sized(d)
+        if name in d:
+            return self._note(d, name, d[name], obj)
+        # A class attribute, a property, or nothing: setting it on the instance later grows
+        # the instance's dict, which is watched.
+        return getattr(obj, name, default)
+
+    def in_dict(self, obj: Any, name: str) -> bool:
+        """Whether ``name`` is set on the instance itself (an instance-level ``forward``)."""
+        self._sized(obj.__dict__)
+        return name in obj.__dict__
+
+    def hooks_of(self, module: nn.Module) -> List[str]:
+        """The kinds of hooks ``module`` has; its hook dicts are watched for new ones."""
+        kinds = []
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            hooks = module.__dict__.get(attr)
+            if hooks is not None:
+                self.hook_dicts.append(hooks)
+                if hooks:
+                    kinds.append(attr.strip("_"))
+        if self.get(module, "_hf_hook") is not None:
+            kinds.append("accelerate _hf_hook")
+        if self.in_dict(module, "forward"):
+            kinds.append("an instance-level forward override")
+        return kinds
+
+    def seal(self) -> "Watch":
+        self.lens = list(map(len, self.ldicts))
+        same = list(zip(self.vdicts, self.vkeys, self.values)) + list(zip(self.tdicts, self.tkeys, self.tensors))
+        self.rust = _rust.Watch(
+            same=same,
+            classes=list(zip(self.modules, self.classes)),
+            sizes=list(zip(self.ldicts, self.lens)),
+            empty=self.hook_dicts,
+            keys=[(d, list(d)) for d in self.globals],
+        )
+        self._seen = self._lseen = self._mseen = set()
+        return self
+
+    def unchanged(self) -> bool:
+        return self.rust.unchanged()
+
+
+# What a module's __dict__ holds besides its own state: watched on their own (Watch.module, hooks_of).
+_MODULE_STORES = frozenset(
+    {
+        "_parameters",
+        "_buffers",
+        "_modules",
+        "_forward_hooks",
+        "_forward_pre_hooks",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks_with_kwargs",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+        "_non_persistent_buffers_set",
+    }
+)

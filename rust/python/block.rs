@@ -1,0 +1,139 @@
+//! The Python class `plusequals._rust.Block`: argument conversion, GIL release, and the calls.
+
+use std::collections::HashMap;
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3_tch::PyTensor;
+use tch::Tensor;
+
+use super::donation::{check_dispatch_modes, check_donation, donate_into};
+use super::errors::to_py;
+use super::twins::{SharedBlock, Twins};
+use super::watch::{check_watch, PyWatch};
+use crate::block::deep_copy;
+use crate::cpp::CppBlock;
+use crate::ownership::Caller;
+use crate::{BasicTransformerBlock, BlockConfig, NoGrad, Result};
+
+/// The Rust `BasicTransformerBlock` (or, with `language="cpp"`, its C++ twin). Use it through
+/// `plusequals.RustBlock` / `plusequals.CppBlock`.
+#[pyclass(name = "Block", module = "plusequals._rust", frozen)]
+pub(super) struct PyBlock {
+    block: SharedBlock,
+}
+
+#[pymethods]
+impl PyBlock {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (weights, *, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa", language="rust"))]
+    fn new(
+        weights: HashMap<String, PyTensor>,
+        dim: i64,
+        n_heads: i64,
+        d_head: i64,
+        context_dim: Option<i64>,
+        gated_ff: bool,
+        attention: &str,
+        language: &str,
+    ) -> PyResult<Self> {
+        let cfg =
+            BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention: attention.parse().map_err(to_py)? };
+        let mut weights: Vec<(String, Tensor)> = weights.into_iter().map(|(k, v)| (k, v.0)).collect();
+        weights.sort_by(|a, b| a.0.cmp(&b.0));
+        let cpp = match language {
+            "rust" => None,
+            // The C++ block gets its own handles on the same weights (no copies).
+            "cpp" => Some(CppBlock::from_weights(&weights, &cfg).map_err(to_py)?),
+            other => return Err(PyValueError::new_err(format!("language must be 'rust' or 'cpp', got {other:?}"))),
+        };
+        let rust = BasicTransformerBlock::from_weights(weights.into_iter().collect(), &cfg).map_err(to_py)?;
+        Ok(PyBlock { block: SharedBlock(Twins { rust, cpp }) })
+    }
+
+    /// `op_plus_x` out of place; the GIL is released while libtorch computes. `watch`: see
+    /// [`PyWatch`].
+    #[pyo3(signature = (x, context=None, watch=None))]
+    fn forward(
+        &self,
+        py: Python<'_>,
+        x: PyTensor,
+        context: Option<PyTensor>,
+        watch: Option<Bound<'_, PyWatch>>,
+    ) -> PyResult<PyTensor> {
+        check_watch(py, watch.as_ref())?;
+        let (x, context) = (x.0, context.map(|c| c.0));
+        let block = &self.block;
+        py.allow_threads(move || block.get().forward(&x, context.as_ref())).map(PyTensor).map_err(to_py)
+    }
+
+    /// In-place residuals with grad off. `donate=false` works on a copy of `x`;
+    /// `donate=true` moves `x`'s buffer into the call, as a transaction: see [`donate`].
+    #[pyo3(signature = (x, context=None, donate=false, watch=None))]
+    fn forward_owned(
+        &self,
+        py: Python<'_>,
+        x: &Bound<'_, PyAny>,
+        context: Option<PyTensor>,
+        donate: bool,
+        watch: Option<Bound<'_, PyWatch>>,
+    ) -> PyResult<PyTensor> {
+        check_watch(py, watch.as_ref())?;
+        let tensor = x.extract::<PyTensor>().map_err(|e| PyTypeError::new_err(format!("argument 'x': {e}")))?.0;
+        let context = context.map(|c| c.0);
+        check_dispatch_modes(py).map_err(to_py)?;
+        let block = &self.block;
+        if donate {
+            return donate_into(py, block, x, tensor, context).map(PyTensor);
+        }
+        py.allow_threads(move || -> Result<Tensor> {
+            let twins = block.get();
+            let no_grad = NoGrad::new();
+            let versions = twins.rust.weights_version();
+            Ok(twins.forward_owned(deep_copy(&tensor)?, context.as_ref(), &no_grad, &Caller::RUST, versions)?)
+        })
+        .map(PyTensor)
+        .map_err(to_py)
+    }
+
+    /// Everything `forward` does at the boundary (unwrap the tensors, release and retake
+    /// the GIL, wrap a tensor back) and no libtorch op: the binding's own per-call cost.
+    #[pyo3(signature = (x, context=None))]
+    fn echo(&self, py: Python<'_>, x: PyTensor, context: Option<PyTensor>) -> PyTensor {
+        let (x, context) = (x.0, context.map(|c| c.0));
+        let block = &self.block;
+        PyTensor(py.allow_threads(move || {
+            let _ = (block.get().rust.dim, context);
+            x
+        }))
+    }
+
+    /// The checks a donation runs before it moves `x` (dispatch modes, shapes, dtype, device,
+    /// the weights, and libtorch's ownership counts with Python's weakrefs: [`donate`] without
+    /// the move), raising what it would raise. For the report: their cost per call is this minus
+    /// `echo`.
+    #[pyo3(signature = (x, context=None))]
+    fn donation_check(&self, py: Python<'_>, x: PyTensor, context: Option<PyTensor>) -> PyResult<()> {
+        check_dispatch_modes(py).map_err(to_py)?;
+        check_donation(py, &self.block.get().rust, &x, context.as_deref()).map_err(to_py)
+    }
+
+    /// `n` calls of `forward` (or of `forward_owned` on a copy made once) without
+    /// returning to Python: libtorch's cost alone, for the benchmark.
+    #[pyo3(signature = (x, context=None, n=1, owned=false, watch=None))]
+    fn forward_loop(
+        &self,
+        py: Python<'_>,
+        x: PyTensor,
+        context: Option<PyTensor>,
+        n: usize,
+        owned: bool,
+        watch: Option<Bound<'_, PyWatch>>,
+    ) -> PyResult<PyTensor> {
+        check_watch(py, watch.as_ref())?;
+        let (x, context) = (x.0, context.map(|c| c.0));
+        let block = &self.block;
+        py.allow_threads(move || block.get().forward_loop(&x, context.as_ref(), n, owned)).map(PyTensor).map_err(to_py)
+    }
+}

@@ -1,0 +1,123 @@
+//! A donation from Python, as a transaction: [`donate_into`].
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
+use tch::Tensor;
+
+use super::errors::{to_py, DonationConsumed};
+use super::twins::SharedBlock;
+use crate::error::{Alias, Failure};
+use crate::facts::{dispatch_modes, PyObjectPtr};
+use crate::ownership::{check_owned_by, Caller};
+use crate::{BasicTransformerBlock, Error, NoGrad, Result};
+
+/// A donation, as a transaction, in four steps; the first two hold the GIL, so no Python
+/// thread can make an alias between the check and the move.
+///
+/// 1. Every check that can refuse ([`check_donation`]): the block's checks of `x`, `context`
+///    and the weights, libtorch's ownership counts (two handles are the caller's: the Python
+///    object's and this call's), weak references (libtorch's, and Python's weakrefs to the
+///    storage object), and whether `x`'s class can become a donated one
+///    (`plusequals.donated.donated_class`).
+/// 2. Mark and move: `x.__class__` becomes the donated class (any later use raises), the buffer
+///    moves to a fresh handle, and the Python object lets go of it (`set_()`).
+/// 3. The in-place forward on the moved buffer, the GIL released.
+/// 4. A failure before the first write puts the buffer back into `x` (same storage, shape,
+///    strides, dtype and bytes) and its class back, then raises. A failure after it leaves `x`
+///    marked donated and says that its buffer was consumed. Never an unmarked empty tensor.
+pub(super) fn donate_into(
+    py: Python<'_>,
+    block: &SharedBlock,
+    x: &Bound<'_, PyAny>,
+    mut tensor: Tensor,
+    context: Option<Tensor>,
+) -> PyResult<Tensor> {
+    let twins = block.get();
+    check_donation(py, &twins.rust, &tensor, context.as_ref()).map_err(|e| to_py(Error::Donation(Box::new(e))))?;
+    let donated = donated_class(py, x)?;
+    let original = x.get_type();
+    let versions = twins.rust.weights_version();
+    x.setattr("__class__", &donated)?;
+    let moved = tensor.f_detach().and_then(|owned| tensor.f_set_().map(|_python_object| owned));
+    let owned = match moved {
+        Ok(owned) => owned,
+        Err(e) => {
+            x.setattr("__class__", &original)?;
+            return Err(to_py(Error::Donation(Box::new(e.into()))));
+        }
+    };
+    let result = py.allow_threads(move || {
+        let no_grad = NoGrad::new();
+        // Python's weakrefs to the storage object were counted in step 1, and no Python name
+        // reaches the buffer since the move, so none can have been made.
+        let none = |_: PyObjectPtr| 0;
+        let caller = Caller { handles: 1, python_weakrefs: Some(&none) };
+        block.get().forward_owned(owned, context.as_ref(), &no_grad, &caller, versions)
+    });
+    match result {
+        Ok(y) => Ok(y),
+        Err(Failure::Unwritten(e, buffer)) => {
+            let _same_as_x = tensor.f_set_source_tensor_(&buffer).map_err(|restore| {
+                PyRuntimeError::new_err(format!("{e}; and putting x's buffer back failed: {restore}"))
+            })?;
+            drop(buffer);
+            x.setattr("__class__", &original)?;
+            Err(to_py(Error::Donation(Box::new(e))))
+        }
+        Err(Failure::Consumed(e)) => Err(DonationConsumed::new_err(format!(
+            "x was donated and its buffer consumed: the in-place forward had already written into it when this \
+             happened: {e}. The result was discarded, and x is marked donated (its old values are partly overwritten)"
+        ))),
+    }
+}
+
+/// Everything a donation checks before it moves `x` (step 1 of [`donate_into`]).
+pub(super) fn check_donation(
+    py: Python<'_>,
+    block: &BasicTransformerBlock,
+    x: &Tensor,
+    context: Option<&Tensor>,
+) -> Result<()> {
+    let _no_grad = NoGrad::new(); // the caller's grad mode is not the forward's: see forward_owned
+    block.check_inputs(x, context)?;
+    let weakrefs = |obj: PyObjectPtr| python_weakrefs(py, obj);
+    check_owned_by(x, context, &Caller { handles: 2, python_weakrefs: Some(&weakrefs) })
+}
+
+/// Refuses, naming the modes, while a TorchDispatchMode is active: the mode would see the
+/// in-place ops' tensors, `x` among them, and could keep them (`RustBlock` routes such calls
+/// through its custom op instead, which the mode sees as one op).
+pub(super) fn check_dispatch_modes(py: Python<'_>) -> Result<()> {
+    if dispatch_modes() == 0 {
+        return Ok(());
+    }
+    let names = mode_names(py).unwrap_or_default();
+    Err(Error::NotOwned { arg: "x", why: Alias::DispatchModes(names) })
+}
+
+pub(super) fn mode_names(py: Python<'_>) -> PyResult<Vec<String>> {
+    let stack = py.import("torch.utils._python_dispatch")?.call_method0("_get_current_dispatch_mode_stack")?;
+    stack.try_iter()?.map(|mode| Ok(mode?.get_type().qualname()?.to_string())).collect()
+}
+
+/// The number of Python weakrefs to the object at `obj` (1 if Python cannot say: counted).
+pub(super) fn python_weakrefs(py: Python<'_>, obj: PyObjectPtr) -> i64 {
+    static COUNT: GILOnceCell<PyObject> = GILOnceCell::new();
+    let count = || -> PyResult<i64> {
+        let f = COUNT.get_or_try_init(py, || py.import("weakref")?.getattr("getweakrefcount").map(Bound::unbind))?;
+        // SAFETY: `obj` is the live Python object of a storage that `x` keeps alive; the GIL is held.
+        let obj = unsafe { Bound::from_borrowed_ptr(py, obj.cast()) };
+        f.bind(py).call1((obj,))?.extract()
+    };
+    count().unwrap_or(1)
+}
+
+/// The class `x` becomes when donated (`plusequals.donated.donated_class(type(x))`), or the
+/// `TypeError` that says why its class cannot become one, before anything moves.
+pub(super) fn donated_class<'py>(py: Python<'py>, x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    static DONATED_CLASS: GILOnceCell<PyObject> = GILOnceCell::new();
+    let f = DONATED_CLASS
+        .get_or_try_init(py, || py.import("plusequals.twin.donated")?.getattr("donated_class").map(Bound::unbind))?;
+    f.bind(py).call1((x.get_type(),))
+}

@@ -1,0 +1,43 @@
+//! The PyO3 glue (feature `python`): the extension module `plusequals._rust`. Nothing here
+//! computes; the blocks live in `block.rs` and `cpp.rs`, the ownership rule in `ownership.rs`.
+//!
+//! * `errors`: the exception classes, and [`Error`](crate::Error) mapped to them;
+//! * `watch`: the per-call check of a block made from a module;
+//! * `twins`: the Rust and C++ blocks behind the class, shareable between Python threads;
+//! * `block`: the class `Block` (argument conversion, GIL release);
+//! * `donation`: a donation from Python, as a transaction;
+//! * `tools`: what the demo and the tests call besides the block.
+
+use pyo3::prelude::*;
+
+mod block;
+mod donation;
+mod errors;
+mod tools;
+mod twins;
+mod watch;
+
+use block::PyBlock;
+use errors::{DonationConsumed, OwnershipError, StaleBlock, UnsupportedBlockError, WeightsChanged};
+use tools::{_fail_next_forward_owned_at, alias_routes, cpp_gallery, tensor_facts};
+use watch::PyWatch;
+
+#[pymodule]
+fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // pyo3-tch can only unwrap tensors once torch's Python classes are registered.
+    m.py().import("torch")?;
+    m.add_class::<PyBlock>()?;
+    m.add_class::<PyWatch>()?;
+    m.add("OwnershipError", m.py().get_type::<OwnershipError>())?;
+    m.add("UnsupportedBlockError", m.py().get_type::<UnsupportedBlockError>())?;
+    m.add("WeightsChanged", m.py().get_type::<WeightsChanged>())?;
+    m.add("DonationConsumed", m.py().get_type::<DonationConsumed>())?;
+    m.add("StaleBlock", m.py().get_type::<StaleBlock>())?;
+    m.add_function(wrap_pyfunction!(alias_routes, m)?)?;
+    m.add_function(wrap_pyfunction!(cpp_gallery, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_facts, m)?)?;
+    m.add_function(wrap_pyfunction!(_fail_next_forward_owned_at, m)?)?;
+    m.add("TCH_VERSION", "0.24.0")?;
+    m.add("RUSTC_VERSION", env!("PLUSEQUALS_RUSTC_VERSION"))?;
+    Ok(())
+}

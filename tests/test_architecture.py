@@ -1,0 +1,141 @@
+"""The house shows its design (issue 23): dependencies point one way, functions and modules stay
+small, the stubs match the built extension, and errors are classes with attributes.
+
+* No import cycle among the package's modules, imports inside functions included (``from .. import
+  _rust`` is an edge to the submodule; taking names from a package's ``__init__`` is an edge to it).
+* No function over 80 lines, no module over 600, in ``python/plusequals`` (Rust: tests/architecture.rs).
+* ``_rust.pyi`` matches ``plusequals._rust`` (mypy's stubtest).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "python" / "plusequals"
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 600
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    found = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    found["plusequals._rust"] = PACKAGE / "_rust.pyi"
+    return found
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that ``name`` imports, anywhere in the file (functions included)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            submodules = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known}
+            out |= submodules
+            if base in known and len(submodules) < len(node.names):  # names taken from the module itself
+                out.add(base)
+    return out - {name}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports_of(name, path, set(known)) for name, path in known.items() if path.suffix == ".py"}
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert {"plusequals.twin.ops", "plusequals.errors"} <= graph["plusequals.twin.block"], graph[
+        "plusequals.twin.block"
+    ]
+    assert cycles(graph) == [], cycles(graph)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def too_long() -> list[str]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = path.read_text().count("\n")
+        if lines > MAX_MODULE_LINES:
+            out.append(f"{path.relative_to(PACKAGE)}: {lines} lines")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    out.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {n} lines")
+    return out
+
+
+def test_no_long_functions_or_modules():
+    assert too_long() == []
+
+
+def test_the_stub_matches_the_built_extension():
+    pytest.importorskip("mypy", reason="needs the test extra (mypy's stubtest)")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "plusequals._rust"],
+        capture_output=True,
+        text=True,
+        cwd=PACKAGE.parents[1] / "target",
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def test_errors_are_classes_made_in_rust_and_re_exported():
+    import plusequals
+    from plusequals import _rust, errors
+
+    for name in ("OwnershipError", "UnsupportedBlockError", "StaleBlock", "WeightsChanged", "DonationConsumed"):
+        cls = getattr(plusequals, name)
+        assert cls is getattr(_rust, name) is getattr(errors, name)
+        assert cls.__module__ == "plusequals", cls.__module__
+    assert issubclass(plusequals.OwnershipError, ValueError) and issubclass(plusequals.WeightsChanged, RuntimeError)
