@@ -23,24 +23,15 @@ from torch import nn
 import plusequals
 from conftest import cuda, randomize_, rel_err
 from plusequals import RustTransformerBlock, SwapHandle, UnsupportedBlockError, swap_transformer_blocks
+from plusequals.audit.cases import TINY_UNET
 
 TOL = 1e-5
 
 # SD v1's UNet shrunk: two levels (one with cross-attention), one resnet per level, 8 heads
 # (diffusers' attention_head_dim is the head count), GroupNorm(32), the mid block's transformer
 # included. Four BasicTransformerBlocks: dims 32 (x3, head dim 4) and 64 (mid, head dim 8).
-TINY = dict(
-    sample_size=16,
-    in_channels=4,
-    out_channels=4,
-    block_out_channels=(32, 64),
-    layers_per_block=1,
-    cross_attention_dim=32,
-    attention_head_dim=8,
-    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    norm_num_groups=32,
-)
+# The audit's harnesses use the same config.
+TINY = TINY_UNET
 N_BLOCKS = 4
 REPLACED = "up_blocks.1.attentions.1.transformer_blocks.0"  # where the refusal tests plant a bad block
 

@@ -2,7 +2,8 @@
 
 The package mirrors the parts: :mod:`plusequals.model` (the PyTorch block and its twins that need
 no Rust), :mod:`plusequals.twin` (the bridge to the Rust and C++ twins), :mod:`plusequals.bench`
-(measure, analyse, render) and :mod:`plusequals.cli` (``python -m plusequals``). The exception
+(measure, analyse, render), :mod:`plusequals.audit` (rustc's verdicts on PyTorch code, at run
+time) and :mod:`plusequals.cli` (``python -m plusequals``). The exception
 classes are made in Rust and re-exported here (:mod:`plusequals.errors`).
 
 Import torch before the extension: ``plusequals._rust`` unwraps ``torch.Tensor`` objects and
@@ -11,6 +12,8 @@ needs torch's Python classes registered.
 
 import torch  # noqa: F401  (must precede the extension)
 
+from . import audit  # plusequals.audit(model, *args): a callable module (see plusequals.audit)
+from .audit import AuditReport, Finding
 from .errors import DonationConsumed, OwnershipError, StaleBlock, UnsupportedBlockError, WeightsChanged
 from .model.blocks import GEGLU, STRATEGIES, BasicTransformerBlock, CrossAttention, FeedForward
 from .twin.block import CppBlock, RustBlock
@@ -26,6 +29,7 @@ from .twin.swap import (  # imports diffusers only when called: diffusers stays 
 
 __all__ = [
     "STRATEGIES",
+    "AuditReport",
     "BasicTransformerBlock",
     "BlockConfig",
     "CppBlock",
@@ -33,6 +37,7 @@ __all__ = [
     "DonatedTensor",
     "DonationConsumed",
     "FeedForward",
+    "Finding",
     "GEGLU",
     "OwnershipError",
     "RustBlock",
@@ -41,6 +46,7 @@ __all__ = [
     "SwapHandle",
     "UnsupportedBlockError",
     "WeightsChanged",
+    "audit",
     "sd_v1_unet_config",
     "swap_transformer_blocks",
     "unswap_transformer_blocks",

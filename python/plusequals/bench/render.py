@@ -326,6 +326,8 @@ def _unet(res: Results) -> list[str]:
         md += ["", table(["implementation", "median ms", "IQR ms", "vs eager (paired)"], rows)]
     if u.max_rel_err_rust is not None:
         md += ["", f"Rust-block UNet output vs eager: relative error {fmt(u.max_rel_err_rust)}."]
+    if u.audit is not None:
+        md += [f"`plusequals.audit` of the eager step: {u.audit}."]
     if u.block_share is not None:
         md += [
             f"Share of the eager step spent in the transformer blocks ({u.block_share_method}): {fmt(u.block_share)}."

@@ -203,6 +203,7 @@ class UnetStep(Record):
     max_rel_err_rust: Optional[float] = None
     block_share: Optional[float] = None
     block_share_method: Optional[str] = None
+    audit: Optional[str] = None  # what plusequals.audit found in the step (its summary line)
     skipped: Optional[str] = None
 
     @classmethod

@@ -72,7 +72,8 @@ def measure(
         f"diffusers UNet2DConditionModel, {'a small SD-v1-shaped config (--quick)' if quick else 'the SD v1 config'}, "
         f"batch {BATCH}, latent {size} x {size}, {str(dtype).replace('torch.', '')}, {len(blocks)} transformer "
         "blocks, torch.no_grad(). "
-        "Timed in interleaved rounds like the blocks; the Rust row is a copy of the UNet with its blocks swapped."
+        "Timed in interleaved rounds like the blocks; the Rust row is a copy of the UNet with its blocks swapped; "
+        "the audited row is the eager UNet called through `plusequals.audit` (hooks, modes and checks included)."
     )
     out: dict[str, Any] = {
         "what": what,
@@ -85,6 +86,7 @@ def measure(
 
     with torch.no_grad():
         probes = _rust_and_eager(unet, step, out)
+        probes[AUDITED] = audited(unet, (sample, t), {"encoder_hidden_states": ehs}, out)
         if compile and (device == "cuda" or not quick):
             probes["torch.compile (default)"] = step(_compiled(unet, step, device, out))
         else:
@@ -126,6 +128,21 @@ def _rust_and_eager(unet: torch.nn.Module, step: Callable, out: dict) -> dict[st
     swap_transformer_blocks(rust_unet)
     out["max_rel_err_rust"] = _rel_err(step(rust_unet)(), expected)
     return {"eager": step(unet), "Rust transformer blocks": step(rust_unet)}
+
+
+AUDITED = "eager under plusequals.audit"
+
+
+def audited(unet: torch.nn.Module, args: tuple, kwargs: dict, out: dict) -> Callable[[], object]:
+    """The eager step run by ``plusequals.audit`` (what one audited forward costs: the hooks, the
+    modes and their checks); records what that audit found in ``out``."""
+    from ..audit import audit
+
+    def call() -> object:
+        return audit(unet, *args, **kwargs)
+
+    out["audit"] = call().summary()
+    return call
 
 
 def _compiled(unet: torch.nn.Module, step: Callable, device: str, out: dict) -> Callable:

@@ -1,4 +1,4 @@
-"""The command line: ``python -m plusequals demo | report | summary``."""
+"""The command line: ``python -m plusequals demo | report | summary | audit``."""
 
 from __future__ import annotations
 
@@ -45,6 +45,14 @@ def main(argv: list[str] | None = None) -> int:
         const="json",
         help="no progress: print the summary as JSON on stdout",
     )
+    audit = sub.add_parser(
+        "audit", help="the borrow checker's verdicts on the project's PyTorch code (plusequals.audit)"
+    )
+    audit.add_argument("--models", action="store_true", help="audit the real models, full size on the meta device")
+    audit.add_argument(
+        "--markdown", action="store_true", help="the README's table (of the strategies, or with --models of the models)"
+    )
+    audit.add_argument("--json", action="store_true", help="the strategies' reports as JSON on stdout")
     summary = sub.add_parser("summary", help="the verdicts and targets of a finished report, again")
     summary.add_argument("dir", nargs="?", default="report", help="the report's directory (default: ./report)")
     summary.add_argument("--json", action="store_true", help="the summary as JSON on stdout")
@@ -53,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run
 
         return run(skip_compile_fail=args.skip_compile_fail)
+    if args.command == "audit":
+        from .audit import main as run_audit
+
+        return run_audit(args.models, args.markdown, args.json)
     if args.command == "summary":
         from .summary import main as show_summary
 

@@ -135,6 +135,8 @@ def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> i
     _runtime_mirror(console, verdict)
     console.rule("[bold]5. Every alias route: PyTorch, rustc, run time (live)")
     _alias_routes(console, verdict)
+    console.rule("[bold]6. The borrow checker's verdict on the PyTorch code (plusequals.audit)")
+    _audit(console, verdict)
 
     console.rule()
     if failures:
@@ -214,6 +216,27 @@ def _alias_routes(console: Console, verdict) -> None:
         check = verdict(aliases.expected_outcome(row, row.run_time), f"alias/{row.route}") if live else ""
         t.add_row(row.route, row.pytorch, row.rustc, row.run_time, check)
     t.print(console)
+
+
+def _audit(console: Console, verdict) -> None:
+    from ..audit import cases
+    from .audit import print_findings
+
+    console.print(
+        "`plusequals.audit(model, *args)` runs the PyTorch model once and names, with rustc's codes, each write "
+        "into a borrowed tensor (E0596), each read of a name after that write moved its value (E0382) and each "
+        "write into a tensor autograd saved (E0502). The seed's `iadd` in a UNet level that keeps the block's "
+        "input for its skip, then in textual-inversion training:\n"
+    )
+    for setting in ("skip", "training"):
+        report = cases.strategy_audit("iadd", setting)
+        console.print(f"[bold]iadd, {setting}[/]: {report.summary()}")
+        print_findings(console, report)
+        ok = cases.agreement("iadd", setting, report) is None
+        console.print(f"agrees with what PyTorch does (bugs.EXPECTED): {verdict(ok, f'audit/iadd/{setting}')}\n")
+    clean = cases.strategy_audit("op_plus_x", "training")
+    console.print(f"op_plus_x, training: {clean.summary()} ({verdict(clean.clean, 'audit/op_plus_x')})")
+    console.print("All strategies, checkpointing and a diffusers UNet: `python -m plusequals audit`.")
 
 
 def _runtime_mirror(console: Console, verdict) -> None:

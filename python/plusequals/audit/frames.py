@@ -1,0 +1,184 @@
+"""Python frames: which one is the user's (for ``where``), and the watcher that catches a moved
+name being read (``E0382``).
+
+A frame is the user's when its code is neither torch's nor the audit's machinery (the model code
+of plusequals and the audit's harnesses are user code here). Once a module has written into its
+argument, the names that held that memory in the frames that called it are *moved*; those frames
+are then watched instruction by instruction (``sys.monitoring`` on 3.12+, ``sys.settrace`` on
+3.11; from that moment only: a clean model runs unwatched) until each name is read (a finding),
+bound again or deleted (no finding), or the audit ends. A read in another function (a closure, a
+callee) or after the audit returns is not seen.
+"""
+
+from __future__ import annotations
+
+import dis
+import os
+import sys
+from types import CodeType, FrameType
+from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
+
+import torch
+
+__all__ = ["MoveTracer", "is_user", "location", "user_frame"]
+
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# the audit's machinery (its harnesses in cases.py are user code)
+_AUDIT = frozenset(
+    os.path.join(_HERE, f) for f in ("__init__.py", "frames.py", "memory.py", "mode.py", "modules.py", "saved.py")
+)
+
+
+def is_user(frame: FrameType) -> bool:
+    filename = frame.f_code.co_filename
+    return not filename.startswith(_TORCH) and filename not in _AUDIT
+
+
+def user_frame(frame: Optional[FrameType], stop: Optional[FrameType] = None) -> Optional[FrameType]:
+    """``frame`` or the first frame above it that is the user's; None if ``stop`` (the audit's
+    own frame) comes first."""
+    while frame is not None and frame is not stop and not is_user(frame):
+        frame = frame.f_back
+    return None if frame is stop else frame
+
+
+_SHORT: Dict[str, str] = {}
+
+
+def short_path(filename: str) -> str:
+    """``filename`` relative to the ``sys.path`` entry that gives the shortest path (so
+    ``diffusers/models/attention.py``, ``plusequals/model/blocks.py``), else as it is."""
+    found = _SHORT.get(filename)
+    if found is None:
+        candidates = [filename]
+        for entry in sys.path:
+            root = os.path.abspath(entry or os.curdir) + os.sep
+            if filename.startswith(root):
+                candidates.append(filename[len(root) :])
+        found = _SHORT[filename] = min(candidates, key=len)
+    return found
+
+
+def location(frame: Optional[FrameType]) -> str:
+    if frame is None:
+        return "?"
+    return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+_MONITORING: Any = getattr(sys, "monitoring", None) if sys.version_info >= (3, 12) else None
+
+# The opcodes that read or (re)bind a name, across CPython 3.11 to 3.13.
+_READS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST", "LOAD_DEREF", "LOAD_NAME", "LOAD_GLOBAL")
+_BINDS = ("STORE_FAST", "STORE_DEREF", "STORE_NAME", "STORE_GLOBAL", "DELETE_FAST", "DELETE_DEREF", "DELETE_NAME")
+_STORE_PAIRS = ("STORE_FAST_LOAD_FAST", "STORE_FAST_STORE_FAST")
+
+_INSTRUCTIONS: Dict[CodeType, Dict[int, Tuple[str, Tuple[str, ...]]]] = {}
+
+
+def _names(code: CodeType) -> Dict[int, Tuple[str, Tuple[str, ...]]]:
+    """``offset -> (what, names)`` for the instructions of ``code`` that read or bind names."""
+    found = _INSTRUCTIONS.get(code)
+    if found is None:
+        found = {}
+        for ins in dis.get_instructions(code):
+            names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
+            if ins.opname in _READS:
+                found[ins.offset] = ("read", names)
+            elif ins.opname in _BINDS or ins.opname in _STORE_PAIRS:
+                found[ins.offset] = ("bind", names)
+        _INSTRUCTIONS[code] = found
+    return found
+
+
+def holders(frame: FrameType, overlaps: Callable[[Any], bool]) -> Iterator[str]:
+    """The names in ``frame`` whose value (or an element of a tuple, list or dict bound to it)
+    ``overlaps`` is true of."""
+    for name, value in list(frame.f_locals.items()):
+        if overlaps(value):
+            yield name
+        elif isinstance(value, (tuple, list)) and any(overlaps(v) for v in value[:1024]):
+            yield name
+        elif isinstance(value, dict) and any(overlaps(v) for v in list(value.values())[:1024]):
+            yield name
+
+
+class MoveTracer:
+    """Watches the frames that hold moved names and calls ``on_read(frame, name, info)`` the
+    first time each is read. On CPython 3.12+ it asks ``sys.monitoring`` for the instructions of
+    those frames' code (3.12's ``settrace`` gives no opcode events to a frame already running);
+    on 3.11, ``sys.settrace`` with ``f_trace_opcodes``. ``stop()`` undoes it all."""
+
+    def __init__(self, on_read: Callable[[FrameType, str, Any], None]) -> None:
+        self._on_read = on_read
+        self._moved: Dict[FrameType, Dict[str, Any]] = {}
+        self._codes: Set[CodeType] = set()
+        self._previous: Any = None
+        self._tool: Optional[int] = None
+        self._started = False
+
+    def watch(self, frame: FrameType, name: str, info: Any) -> None:
+        self._moved.setdefault(frame, {}).setdefault(name, info)
+        if not self._started:
+            self._start()
+        if _MONITORING is not None:
+            if frame.f_code not in self._codes and self._tool is not None:
+                self._codes.add(frame.f_code)
+                _MONITORING.set_local_events(self._tool, frame.f_code, _MONITORING.events.INSTRUCTION)
+        else:
+            frame.f_trace = self._opcode
+            frame.f_trace_lines = False
+            frame.f_trace_opcodes = True
+
+    def _start(self) -> None:
+        self._started = True
+        if _MONITORING is not None:
+            free = [t for t in (3, 4) if _MONITORING.get_tool(t) is None]
+            if free:  # none free: another tool holds both ids, and reads go unseen (E0596 still found)
+                self._tool = free[0]
+                _MONITORING.use_tool_id(self._tool, "plusequals.audit")
+                _MONITORING.register_callback(self._tool, _MONITORING.events.INSTRUCTION, self._instruction)
+        else:
+            self._previous = sys.gettrace()
+            sys.settrace(self._call)
+
+    def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
+        # new frames are not traced by the audit; a tracer that was there before still is
+        return self._previous(frame, event, arg) if self._previous is not None else None
+
+    def _opcode(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            self._seen(frame, frame.f_lasti)
+        return self._opcode
+
+    def _instruction(self, code: CodeType, offset: int) -> Any:
+        self._seen(sys._getframe(1), offset)
+
+    def _seen(self, frame: FrameType, offset: int) -> None:
+        moved = self._moved.get(frame)
+        if not moved:
+            return
+        what, names = _names(frame.f_code).get(offset, ("", ()))
+        for name in names:
+            info = moved.pop(name, None)
+            if info is not None and what == "read":
+                self._on_read(frame, name, info)
+
+    def stop(self) -> None:
+        if not self._started:
+            return
+        if _MONITORING is not None:
+            if self._tool is not None:
+                for code in self._codes:
+                    _MONITORING.set_local_events(self._tool, code, 0)
+                _MONITORING.register_callback(self._tool, _MONITORING.events.INSTRUCTION, None)
+                _MONITORING.free_tool_id(self._tool)
+        else:
+            for frame in self._moved:
+                frame.f_trace_opcodes = False
+                frame.f_trace = None
+            sys.settrace(self._previous)
+        self._moved.clear()
+        self._codes.clear()
+        self._tool = None
+        self._started = False

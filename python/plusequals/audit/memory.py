@@ -1,0 +1,83 @@
+"""Which memory a tensor names, and which tensors an op writes: the facts the audit compares.
+
+A tensor's memory is a :class:`Span`: its storage (the ``StorageImpl``'s address, so that views,
+``copy.copy`` and ``.data`` of one buffer compare equal, on every device, meta included) and the
+byte range its elements can reach. What an op writes is what its schema says: every argument
+whose alias annotation is a write (``Tensor(a!)``), ``out=`` included.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["Span", "span", "tensors", "writes"]
+
+
+class Span(NamedTuple):
+    """The bytes ``[start, stop)`` of one storage that a tensor's elements can reach."""
+
+    storage: int
+    start: int
+    stop: int
+
+    def overlaps(self, other: "Span") -> bool:
+        return self.storage == other.storage and self.start < other.stop and other.start < self.stop
+
+
+def span(t: Tensor) -> Optional[Span]:
+    """``t``'s memory; None for a tensor with no elements or no storage (a functorch wrapper,
+    a sparse tensor, a wrapper subclass)."""
+    try:
+        if t.numel() == 0:
+            return None
+        storage = t.untyped_storage()
+        itemsize = t.element_size()
+        reach = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    start = t.storage_offset() * itemsize
+    return Span(storage._cdata, start, start + reach * itemsize)
+
+
+def tensors(tree: Any) -> Iterator[Tensor]:
+    """The tensors among ``tree``'s leaves (tuples, lists, dicts, nested)."""
+    return (leaf for leaf in tree_leaves(tree) if isinstance(leaf, Tensor))
+
+
+class Writes(NamedTuple):
+    """Where an op's written arguments are: positions and keyword names; whether it writes
+    metadata only (``unsqueeze_``, ``t_``: torch's ``inplace_view`` tag)."""
+
+    positions: Tuple[Tuple[int, str], ...]
+    metadata_only: bool
+
+
+_WRITES: Dict[Any, Writes] = {}
+
+
+def _writes_of(func: Any) -> Writes:
+    found = _WRITES.get(func)
+    if found is None:
+        schema = func._schema
+        positions = tuple(
+            (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+        found = _WRITES[func] = Writes(positions, torch.Tag.inplace_view in func.tags)
+    return found
+
+
+def writes(func: Any, args: tuple, kwargs: dict) -> Tuple[List[Tensor], bool]:
+    """The tensors ``func(*args, **kwargs)`` writes into, per its schema, and whether it writes
+    their metadata only."""
+    found = _writes_of(func)
+    if not found.positions:
+        return [], False
+    out: List[Tensor] = []
+    for i, name in found.positions:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        out.extend(tensors(value))
+    return out, found.metadata_only

@@ -1,0 +1,147 @@
+"""The writes: a TorchDispatchMode that sees every aten op, takes the tensors its schema says it
+writes, and asks who owned that memory: a running module's argument (``E0596``, and the names
+that held it become moved: ``E0382`` when read), or a tensor autograd saved (``E0502``, once
+the write is known to have bumped the version counter)."""
+
+from __future__ import annotations
+
+import sys
+from types import FrameType
+from typing import Any, Dict, List, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .frames import MoveTracer, holders, location, user_frame
+from .memory import Span, span, writes
+from .modules import Arg, Call, ModuleWatch
+from .report import Finding
+from .saved import Saved, SavedTensors, overwritten, reachable
+
+__all__ = ["Recorder", "WriteWatch"]
+
+
+class Move(NamedTuple):
+    seq: int
+    module: str
+    where: str
+    op: str
+
+
+class Candidate(NamedTuple):
+    """A write into saved tensors: a finding once the write bumped a version (see saved.py)."""
+
+    seq: int
+    module: str
+    where: str
+    op: str
+    phase: str  # "forward", or "backward" (a checkpoint's recomputation)
+    entries: List[Saved]
+
+
+class Recorder:
+    """The findings in the order their writes happened, the same write counted once."""
+
+    def __init__(self) -> None:
+        self._found: Dict[tuple, List[Any]] = {}
+        self.seq = 0
+
+    def next(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def add(self, seq: int, finding: Finding) -> None:
+        entry = self._found.get(finding.key())
+        if entry is None:
+            self._found[finding.key()] = [seq, finding]
+        else:
+            entry[1] = Finding(**{**entry[1].__dict__, "count": entry[1].count + 1})
+
+    def on_read(self, frame: FrameType, name: str, move: Move) -> None:
+        read_at = location(frame)
+        message = (
+            f"`{name}` is read after `{move.module or '(root)'}` wrote into its value ({move.op} at {move.where}): "
+            "the value was moved into the module, and this is a use after move"
+        )
+        self.add(move.seq, Finding("E0382", move.module, move.where, move.op, message, read_at))
+
+    def findings(self) -> List[Finding]:
+        return [f for _, f in sorted(self._found.values(), key=lambda e: e[0])]
+
+
+def _op_name(func: Any) -> str:
+    return str(func)  # as torch names it: aten.add_.Tensor, aten.relu_.default
+
+
+class WriteWatch(TorchDispatchMode):
+    def __init__(self, modules: ModuleWatch, saved: SavedTensors, recorder: Recorder) -> None:
+        super().__init__()
+        self.modules, self.saved, self.recorder = modules, saved, recorder
+        self.tracer = MoveTracer(recorder.on_read)
+        self.candidates: List[Candidate] = []
+        self.ops = 0
+        self.phase = "forward"
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.ops += 1
+        written, metadata_only = writes(func, args, kwargs)
+        if written:
+            with torch._C.DisableTorchFunction():
+                self._check(func, written, metadata_only)
+        return func(*args, **kwargs)
+
+    def _check(self, func: Any, written: List[Tensor], metadata_only: bool) -> None:
+        where: Optional[str] = None
+        for t in written:
+            s = span(t)
+            if s is None:
+                continue
+            owner = self.modules.owner(s, t, metadata_only)
+            entries = [] if metadata_only else self.saved.saving(s)
+            if owner is None and not entries:
+                continue
+            where = where or location(user_frame(sys._getframe()))
+            seq, op = self.recorder.next(), _op_name(func)
+            if owner is not None:
+                self._moved(seq, op, where, s, *owner)
+            if entries:
+                module = self.modules.running(sys._getframe())
+                self.candidates.append(Candidate(seq, module, where, op, self.phase, entries))
+
+    def _moved(self, seq: int, op: str, where: str, s: Span, call: Call, arg: Arg) -> None:
+        message = (
+            f"`{call.module or '(root)'}` ({call.cls}) wrote into its argument `{arg.label}`, which it only "
+            "borrowed: in Rust that takes ownership (a move, forward_owned) or `&mut`"
+        )
+        self.recorder.add(seq, Finding("E0596", call.module, where, op, message))
+        move = Move(seq, call.module, where, op)
+
+        def overlaps(value: Any) -> bool:
+            if not isinstance(value, Tensor):
+                return False
+            other = span(value)
+            return other is not None and other.overlaps(s)
+
+        for frame in self.modules.frames_above(call):
+            for name in holders(frame, overlaps):
+                self.tracer.watch(frame, name, move)
+
+    def confirm(self, roots: Optional[List[Any]]) -> None:
+        """Turns the candidates into ``E0502`` findings where the write bumped the version of a
+        saved tensor whose node a backward from ``roots`` would run (``None``: any node)."""
+        live = None if roots is None else reachable(roots)
+        for c in self.candidates:
+            hit = [e for e in overwritten(c.entries) if live is None or e.node in live]
+            if hit:
+                e = hit[0]
+                saver = f" in `{e.module}`" if e.module else ""
+                others = f" (and {len(hit) - 1} more)" if len(hit) > 1 else ""
+                during = " (during backward, recomputing)" if c.phase == "backward" else ""
+                message = (
+                    f"overwrote{during} the tensor that {type(e.node).__name__}{saver} saved for backward "
+                    f"({e.attr.lstrip('_')}){others}: autograd borrowed it until backward, which will refuse it"
+                )
+                self.recorder.add(c.seq, Finding("E0502", c.module, c.where, c.op, message))
+        self.candidates.clear()

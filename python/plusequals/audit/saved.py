@@ -1,0 +1,126 @@
+"""What autograd saved for backward, seen from above autograd: a TorchFunctionMode that, after
+each torch call, walks the autograd nodes it has not seen and notes each saved tensor's memory
+and version. A write into that memory before backward is ``E0502``: autograd holds a shared
+borrow until backward, and the version counter will refuse the graph then.
+
+Saved-tensors hooks are left alone: tensors saved while such hooks are active are packed by
+them (autograd no longer checks their versions), and unpacking them would run the hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Set, Tuple
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from .memory import Span, span
+
+__all__ = ["Saved", "SavedTensors", "overwritten", "reachable"]
+
+
+class Saved(NamedTuple):
+    node: Any  # the autograd node (kept alive for the audit: nodes take no weak references)
+    attr: str  # its attribute that returns the tensor (``_saved_input``, ``saved_tensors``)
+    tensor: Tensor
+    version: int  # the tensor's version when saved
+    span: Span
+    module: str  # the innermost module running when it was saved
+
+
+_ATTRS: Dict[type, Tuple[str, ...]] = {}
+
+
+def _saved_attrs(cls: type) -> Tuple[str, ...]:
+    found = _ATTRS.get(cls)
+    if found is None:
+        names = [a for a in dir(cls) if a.startswith("_saved_")]
+        if hasattr(cls, "saved_tensors") and hasattr(cls, "_raw_saved_tensors"):  # autograd.Function nodes
+            names.append("saved_tensors")
+        found = _ATTRS[cls] = tuple(names)
+    return found
+
+
+def _hooks_active() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+class SavedTensors(TorchFunctionMode):
+    """Notes every tensor autograd saves while active; ``saving(span)`` answers which saved
+    tensors a write into ``span`` would overwrite."""
+
+    def __init__(self, current_module: Callable[[], str]) -> None:
+        super().__init__()
+        self._current_module = current_module
+        self.seen: Set[Any] = set()
+        self._by_storage: Dict[int, List[Saved]] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled():
+            if isinstance(out, Tensor):
+                self.note(out.grad_fn)
+            elif isinstance(out, (tuple, list)):
+                for t in out:
+                    if isinstance(t, Tensor):
+                        self.note(t.grad_fn)
+        return out
+
+    def note(self, node: Any) -> None:
+        """Walks the nodes behind ``node`` not seen yet, noting what each saved."""
+        if node is None or node in self.seen:
+            return
+        quiet = _hooks_active()
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n is None or n in self.seen:
+                continue
+            self.seen.add(n)
+            if not quiet:
+                self._note_saved(n)
+            stack.extend(next_node for next_node, _ in n.next_functions)
+
+    def _note_saved(self, node: Any) -> None:
+        for attr in _saved_attrs(type(node)):
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:  # freed, or saved as undefined
+                continue
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, Tensor):
+                    s = span(t)
+                    if s is not None:
+                        entry = Saved(node, attr, t, t._version, s, self._current_module())
+                        self._by_storage.setdefault(s.storage, []).append(entry)
+
+    def saving(self, written: Span) -> List[Saved]:
+        """The saved tensors, not yet overwritten since saved, whose memory ``written`` overlaps.
+        Whether the write broke them is known only once the op has returned through autograd,
+        which bumps the version counter (BatchNorm's running statistics are written without a
+        bump, and backward accepts them): see :func:`overwritten`."""
+        return [
+            e
+            for e in self._by_storage.get(written.storage, ())
+            if e.span.overlaps(written) and e.tensor._version == e.version
+        ]
+
+
+def overwritten(entries: Iterable[Saved]) -> List[Saved]:
+    """The entries whose tensor's version moved since it was saved: backward through their
+    node would raise."""
+    return [e for e in entries if e.tensor._version != e.version]
+
+
+def reachable(roots: Iterable[Any]) -> Set[Any]:
+    """The autograd nodes reachable from ``roots`` (the graph a backward from them would run)."""
+    seen: Set[Any] = set()
+    stack = [r for r in roots if r is not None]
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        stack.extend(next_node for next_node, _ in n.next_functions)
+    return seen
