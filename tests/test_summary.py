@@ -79,7 +79,7 @@ def _render(s: dict, width: int) -> list[str]:
     return console.export_text().splitlines()
 
 
-@pytest.mark.parametrize("width", [80, 200])
+@pytest.mark.parametrize("width", [80, 100, 120, 200])
 def test_the_summary_reads_at_80_columns_with_every_verdict_and_target_whole(quick_report, width):
     """No line wider than the terminal, no table border; every comparison's range and counts, every
     verdict sentence, every target's status and value, and REPORT.md's path, all printed whole."""
@@ -88,6 +88,7 @@ def test_the_summary_reads_at_80_columns_with_every_verdict_and_target_whole(qui
     text = "\n".join(lines)
     flat = " ".join(text.split())  # wrapped sentences, joined again
     assert max(cell_len(ln) for ln in lines) <= width
+    assert "…" not in text, "a cell cut at this width"
     assert not [ln for ln in lines if set(ln) & set("│┃┏━")], "a table border at this width"
     for v in s["verdicts"]:
         assert v["question"].replace("`", "") in flat, v["question"]

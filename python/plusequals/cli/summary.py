@@ -155,7 +155,7 @@ def show(s: dict, console: Console) -> None:
         )
         for g in s["targets"]
     ]
-    if console.width < max(len(g["state"]) + len(g["target"]) + len(_measured(g)) for g in s["targets"]) + 12:
+    if console.width < _targets_width(s["targets"]):
         console.print("[bold]Targets[/]")  # narrow: each target on its own line, its numbers below
         for state, target, measured, limit in targets:
             console.print(f"{state}  {target}")
@@ -171,6 +171,18 @@ def show(s: dict, console: Console) -> None:
         console.print(f"[dim]({INFORMATIONAL}; measured: the worst shape)[/]")
     took = f" in {s['elapsed_s']:.0f} s" if s.get("elapsed_s") else ""
     console.print(f"Full report{took}: [bold]{escape(s['report'])}[/] [dim](every number: {escape(s['results'])})[/]")
+
+
+def _targets_width(targets: list) -> int:
+    """The Targets table's width unwrapped: each column's widest cell (its header included) and
+    one space between columns. Narrower consoles get one target per line, so no cell is cut."""
+    columns = (
+        [len("Targets")] + [len(g["state"]) for g in targets],
+        [len(g["target"]) for g in targets],
+        [len("measured")] + [len(_measured(g)) for g in targets],
+        [len("limit")] + [len(fmt(g["limit"])) for g in targets],
+    )
+    return sum(max(c) for c in columns) + len(columns) - 1
 
 
 def emit(data: dict, outdir: Path, output: str, console: Console) -> None:
