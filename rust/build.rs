@@ -31,6 +31,7 @@ fn main() {
         .file("cpp/gallery.cpp")
         .file("cpp/weak_ref.cpp")
         .opt_level(2) // the twin is timed; the C++ of a debug build is optimised too
+        .debug(false) // one object file for every profile (compiled once: .cargo/config.toml)
         .include(&include)
         .flag("-std=c++17")
         .define("_GLIBCXX_USE_CXX11_ABI", "1")

@@ -42,6 +42,7 @@ mod ffi {
         pub fn pe_grad_mode_enabled() -> i32;
         pub fn pe_set_grad_mode(enabled: i32) -> i32;
         pub fn pe_dispatch_modes() -> i64;
+        pub fn pe_python_sees_ops() -> i32;
         pub fn pe_autocast_produces(t: *const C_tensor, weight: *const C_tensor) -> i32;
         pub fn pe_version(t: *const C_tensor) -> i64;
         pub fn pe_versions(ts: *const *const C_tensor, n: i64) -> i64;
@@ -129,6 +130,13 @@ pub fn set_grad_mode(enabled: bool) -> bool {
 pub fn dispatch_modes() -> i64 {
     // SAFETY: reads thread-local state.
     unsafe { ffi::pe_dispatch_modes() }
+}
+
+/// Whether Python code on this thread would see a call's ops: a TorchDispatchMode, a
+/// TorchFunctionMode, or under grad mode a saved-tensor hook (`cpp/tensor_facts.cpp`).
+pub fn python_sees_ops() -> bool {
+    // SAFETY: reads thread-local state.
+    unsafe { ffi::pe_python_sees_ops() != 0 }
 }
 
 /// Whether autocast is on for `weight`'s device type on this thread and casts to `t`'s dtype:

@@ -50,7 +50,8 @@ def test_clippy_refuses_writing_through_a_shared_borrow_and_panicking_calls():
     rustc (rust/aliases.rs runs the same thing and sees x change); clippy refuses it here.
     tests/lint/panics_on_error.rs: `x.size()` and `x.kind()`, which panic on a tensor without
     storage; clippy refuses them, with the reason."""
-    cmd = ["cargo", "clippy", "--quiet", "--examples", "--features", "lint-case", "--", "-D", "warnings"]
+    # with make lint's features (python): its check of the dependencies is reused
+    cmd = ["cargo", "clippy", "--quiet", "--examples", "--features", "lint-case,python", "--", "-D", "warnings"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=cargo_env(), timeout=1800)
     assert proc.returncode != 0, "clippy accepted the lint cases"
     assert "use of a disallowed method `tch::Tensor::f_add_out`" in proc.stderr, proc.stderr[-3000:]

@@ -97,13 +97,17 @@ def test_the_host_cost_cell_ran_on_one_thread_at_the_tiny_shape_in_seeded_rounds
     assert {r["variant"] for r in hc["rows"]} == set(HOST_VARIANTS) - {"graph/op_plus_x"}  # no CUDA graphs on the CPU
     assert (
         cell["orders"]
-        == timing.shuffled_orders(list(cell["raw_ms"]), data["config"]["max_rounds"], cell["seed"])[: cell["rounds"]]
+        == timing.shuffled_orders(list(cell["raw_ms"]), data["config"]["host_max_rounds"], cell["seed"])[
+            : cell["rounds"]
+        ]
     )
+    assert data["config"]["host_max_rounds"] >= cell["rounds"] >= data["config"]["host_rounds"] >= 25
     assert cell["seed"] not in {c["seed"] for c in data["cells"]}
     rows = {r["variant"]: r for r in hc["rows"]}
     for r in hc["rows"]:
         reset = cell["raw_ms"].get(f"reset:{r['variant']}", [0.0] * cell["rounds"])
-        per_call = hc["rust_loop_n"] if r["variant"].endswith("/loop") else 1
+        per_call = hc["rust_loop_n"] if "/loop" in r["variant"] else 1
+        assert r["forwards_per_call"] == per_call
         assert r["rounds_ms"] == pytest.approx(
             [(t - z) / per_call for t, z in zip(cell["raw_ms"][r["variant"]], reset)]
         )
@@ -115,6 +119,40 @@ def test_the_host_cost_cell_ran_on_one_thread_at_the_tiny_shape_in_seeded_rounds
         ("cpp/loop", "eager/op_plus_x"),
         ("rust/loop", "cpp/loop"),
     }
+
+
+def test_the_crossing_differences_recompute_from_the_rounds_and_are_judged_by_their_budgets(quick_report):
+    """Each budgeted difference (config crossing_budgets) is the per-round difference of its two
+    rows in µs, summarised by median and quartiles; its target says met exactly when the median
+    is within the budget."""
+    data = json.loads((quick_report / "results.json").read_text())
+    hc = data["host_cost"]
+    rows = {r["variant"]: r for r in hc["rows"]}
+    budgets = {(a, b): us for a, b, us in data["config"]["crossing_budgets"]}
+    assert {(d["variant"], d["vs"]) for d in hc["differences"]} == set(budgets)
+    assert ("rust/forward", "rust/raw") in budgets and ("cpp/forward", "cpp/loop") in budgets
+    targets = {t["target"]: t for t in data["targets"]}
+    for d in hc["differences"]:
+        want = (np.array(rows[d["variant"]]["rounds_ms"]) - np.array(rows[d["vs"]]["rounds_ms"])) * 1e3
+        q1, q3 = np.quantile(want, [0.25, 0.75])
+        assert d["differences_us"] == pytest.approx(want.tolist())
+        assert (d["median_us"], d["q1_us"], d["q3_us"]) == pytest.approx((np.median(want), q1, q3))
+        assert d["budget_us"] == budgets[d["variant"], d["vs"]]
+        assert d["within_budget"] == (d["median_us"] <= d["budget_us"])
+        t = targets[f"{d['variant']} - {d['vs']} <= {fmt(d['budget_us'])} us (host-cost cell)"]
+        assert t["value"] == d["median_us"] and t["status"] == ("met" if d["within_budget"] else "missed")
+
+
+def test_the_host_cost_cell_settles_on_the_crossing_differences():
+    """The stop rule asks for more rounds while a budgeted difference's IQR is wider than allowed,
+    and ignores pairs the cell does not time."""
+    from plusequals.bench.variants import Variant, differences_settled
+
+    a, b = Variant("a", "rust", lambda: None, ""), Variant("b", "rust", lambda: None, "")
+    rule = differences_settled([a, b], [("a", "b", 3.0), ("a", "missing", 5.0)], max_iqr_us=1.0)
+    steady = {"a": [0.010, 0.0101, 0.0099, 0.010], "b": [0.008, 0.0081, 0.0079, 0.008]}  # 2 µs apart each round
+    noisy = {"a": [0.010, 0.014, 0.009, 0.016], "b": [0.008, 0.008, 0.008, 0.008]}
+    assert rule(steady) and not rule(noisy)
 
 
 def test_the_host_cost_cell_times_on_one_thread_and_restores_the_count(monkeypatch):

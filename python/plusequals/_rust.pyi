@@ -9,6 +9,7 @@ from torch import Tensor
 __all__ = [
     "Block",
     "DonationConsumed",
+    "Entry",
     "OwnershipError",
     "RUSTC_VERSION",
     "StaleBlock",
@@ -47,6 +48,17 @@ class Watch:
         keys: List[Tuple[Dict[Any, Any], List[Any]]],
     ) -> Watch: ...
     def unchanged(self) -> bool: ...
+
+@final
+class Entry:
+    def __new__(cls, block: Block, watch: Optional[Watch] = None) -> Entry: ...
+    @property
+    def block(self) -> Block: ...
+    @property
+    def watch(self) -> Optional[Watch]: ...
+    # a Tensor, or NotImplemented where Python code could see the call (RustBlock's full path)
+    def forward(self, x: Tensor, context: Optional[Tensor] = None) -> Any: ...
+    def forward_owned(self, x: Tensor, context: Optional[Tensor] = None, donate: bool = False) -> Any: ...
 
 @final
 class Block:

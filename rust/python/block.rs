@@ -55,7 +55,7 @@ impl PyBlock {
     /// `op_plus_x` out of place; the GIL is released while libtorch computes. `watch`: see
     /// [`PyWatch`].
     #[pyo3(signature = (x, context=None, watch=None))]
-    fn forward(
+    pub(super) fn forward(
         &self,
         py: Python<'_>,
         x: PyTensor,
@@ -71,7 +71,7 @@ impl PyBlock {
     /// In-place residuals with grad off. `donate=false` works on a copy of `x`;
     /// `donate=true` moves `x`'s buffer into the call, as a transaction: see [`donate`].
     #[pyo3(signature = (x, context=None, donate=false, watch=None))]
-    fn forward_owned(
+    pub(super) fn forward_owned(
         &self,
         py: Python<'_>,
         x: &Bound<'_, PyAny>,

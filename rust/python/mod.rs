@@ -5,6 +5,7 @@
 //! * `watch`: the per-call check of a block made from a module;
 //! * `twins`: the Rust and C++ blocks behind the class, shareable between Python threads;
 //! * `block`: the class `Block` (argument conversion, GIL release);
+//! * `entry`: `Entry`, a block bound to its watch: RustBlock's hot path;
 //! * `donation`: a donation from Python, as a transaction;
 //! * `tools`: what the demo and the tests call besides the block.
 
@@ -12,12 +13,14 @@ use pyo3::prelude::*;
 
 mod block;
 mod donation;
+mod entry;
 mod errors;
 mod tools;
 mod twins;
 mod watch;
 
 use block::PyBlock;
+use entry::PyEntry;
 use errors::{DonationConsumed, OwnershipError, StaleBlock, UnsupportedBlockError, WeightsChanged};
 use tools::{_fail_next_forward_owned_at, alias_routes, cpp_gallery, tensor_facts};
 use watch::PyWatch;
@@ -28,6 +31,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.py().import("torch")?;
     m.add_class::<PyBlock>()?;
     m.add_class::<PyWatch>()?;
+    m.add_class::<PyEntry>()?;
     m.add("OwnershipError", m.py().get_type::<OwnershipError>())?;
     m.add("UnsupportedBlockError", m.py().get_type::<UnsupportedBlockError>())?;
     m.add("WeightsChanged", m.py().get_type::<WeightsChanged>())?;

@@ -68,27 +68,32 @@ impl PyWatch {
 
     /// Whether everything is as it was read (stops at the first difference). A cleared watch
     /// (collected with what it watched) holds nothing: it says changed.
+    ///
+    /// It runs on every call, so it works on the objects' addresses (no reference counts
+    /// touched, no wrappers made): a dict lookup per noted value, a type pointer per module, a
+    /// size per dict.
     fn unchanged(&self, py: Python<'_>) -> bool {
         if self.classes.is_empty() {
             return false;
         }
-        let found = |d: &Py<PyDict>, key: &Py<PyAny>| -> *mut pyo3::ffi::PyObject {
-            // SAFETY: both are live objects (held here); the GIL is held; the result is borrowed
-            // and only compared by address.
-            unsafe { pyo3::ffi::PyDict_GetItemWithError(d.as_ptr(), key.as_ptr()) }
-        };
+        use pyo3::ffi;
+        // SAFETY: every pointer is a live object held by this watch; the GIL is held; the lookup's
+        // result is borrowed and only compared by address.
+        let found = |d: &Py<PyDict>, key: &Py<PyAny>| unsafe { ffi::PyDict_GetItemWithError(d.as_ptr(), key.as_ptr()) };
+        let size = |d: &Py<PyDict>| unsafe { ffi::PyDict_Size(d.as_ptr()) };
+        let type_of = |obj: &Py<PyAny>| unsafe { ffi::Py_TYPE(obj.as_ptr()) };
         for (d, key, value) in &self.same {
             if found(d, key) != value.as_ptr() {
                 let _lookup_error = PyErr::take(py); // a key whose __eq__ raised: changed
                 return false;
             }
         }
-        self.classes.iter().all(|(obj, cls)| obj.bind(py).get_type().is(cls.bind(py)))
-            && self.sizes.iter().all(|(d, n)| d.bind(py).len() == *n)
-            && self.empty.iter().all(|d| d.bind(py).is_empty())
+        self.classes.iter().all(|(obj, cls)| type_of(obj) == cls.as_ptr().cast())
+            && self.sizes.iter().all(|(d, n)| usize::try_from(size(d)) == Ok(*n))
+            && self.empty.iter().all(|d| size(d) == 0)
             && self.keys.iter().all(|(d, keys)| {
-                let d = d.bind(py);
-                d.len() == keys.len() && d.keys().iter().zip(keys).all(|(now, was)| now.is(was))
+                usize::try_from(size(d)) == Ok(keys.len())
+                    && (keys.is_empty() || d.bind(py).iter().zip(keys).all(|((now, _), was)| now.is(was)))
             })
     }
 }

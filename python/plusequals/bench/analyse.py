@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from .results import Drift, Floor, Paired, Record, Results, SameWork, Step, Target, Timing, fmt
+from .results import Difference, Drift, Floor, Paired, Record, Results, SameWork, Step, Target, Timing, fmt
 from .timing import paired_ratios, spread
 
 # Paired ratios reported besides "every variant / the reference".
@@ -73,6 +73,35 @@ def host_cost_pairs(results: Results) -> list[Paired]:
     by = {r.variant: r for r in hc.rows}
     pairs = [(v, results.reference) for v in by if v != results.reference] + [("rust/loop", "cpp/loop")]
     return [p for a, b in pairs if (p := pair_rows(by.get(a), by.get(b), hc.batch, hc.shape["label"]))]
+
+
+def difference_rows(ra: Timing, rb: Timing, budget_us: float) -> Difference:
+    """``ra - rb`` in µs per call within each round, summarised over the rounds."""
+    diffs = [(a - b) * 1e3 for a, b in zip(ra.rounds_ms, rb.rounds_ms, strict=True)]
+    sp = spread(diffs)
+    return Difference(
+        variant=ra.variant,
+        vs=rb.variant,
+        median_us=sp.median,
+        q1_us=sp.q1,
+        q3_us=sp.q3,
+        iqr_us=sp.iqr,
+        rounds=sp.n,
+        budget_us=budget_us,
+        within_budget=sp.median <= budget_us,
+        differences_us=diffs,
+    )
+
+
+def host_cost_differences(results: Results) -> list[Difference]:
+    """The host-cost cell's differences that the config's ``crossing_budgets`` name (``variant``,
+    ``vs``, budget in µs), where the cell has both rows."""
+    hc = results.host_cost
+    if hc is None:
+        return []
+    by = {r.variant: r for r in hc.rows}
+    budgets = results.config.get("crossing_budgets", [])
+    return [difference_rows(by[a], by[b], us) for a, b, us in budgets if a in by and b in by]
 
 
 # ----------------------------------------------------------------------------- per cell, per step
@@ -163,7 +192,26 @@ def targets(results: Results) -> list[Target]:
             status += f" ({INFORMATIONAL})"
         return Target(target=name, value=value, limit=limit, unit=unit, status=status, detail=detail)
 
-    return _speed_targets(results, target) + [_memory_target(results, target)] + _boundary_targets(results, target)
+    speed = _speed_targets(results, target) + [_memory_target(results, target)]
+    return speed + _boundary_targets(results, target) + _crossing_targets(results)
+
+
+def _crossing_targets(results: Results) -> list[Target]:
+    """The crossing's budgets (config ``crossing_budgets``): met or missed on any device, since host
+    cost is the host's."""
+    out = []
+    for d in host_cost_differences(results):
+        out.append(
+            Target(
+                target=f"{d.variant} - {d.vs} <= {fmt(d.budget_us)} us (host-cost cell)",
+                value=d.median_us,
+                limit=d.budget_us,
+                unit="us",
+                status="met" if d.within_budget else "missed",
+                detail=f"paired within rounds: median [{fmt(d.q1_us)}, {fmt(d.q3_us)}] over {d.rounds}",
+            )
+        )
+    return out
 
 
 Judge = Callable[[str, Optional[float], float, Optional[bool], str, str], Target]
@@ -257,6 +305,7 @@ def summarize(data: dict) -> None:
     data["roofline"] = [f.to_json() for f in roofline(results)]
     if results.host_cost is not None:
         data["host_cost"]["paired"] = [p.to_json() for p in host_cost_pairs(results)]
+        data["host_cost"]["differences"] = [d.to_json() for d in host_cost_differences(results)]
     data["same_work"] = [same_work(results, batch).to_json() for batch in results.batches]
     data["targets"] = [t.to_json() for t in targets(results)]
 
@@ -364,7 +413,7 @@ def verdict_items(results: Results) -> list[Verdict]:
     """The report's questions, each with its paired comparisons (``compare``) and the sentence
     REPORT.md prints; every number is a paired ratio or a count from results.json."""
     out = [v for batch in results.batches for v in _batch_verdicts(results, batch)]
-    once = (_host_cost_verdict(results), _compiler_verdict(results), _seed_verdict(results))
+    once = (_host_cost_verdict(results), _crossing_verdict(results), _compiler_verdict(results), _seed_verdict(results))
     return out + [v for v in once if v is not None]
 
 
@@ -481,6 +530,25 @@ def _host_cost_verdict(results: Results) -> Optional[Verdict]:
         + "; ".join(f"`{c.variant}` / `{c.vs}`: {fmt(c.lo)} [{fmt(c.q1)}, {fmt(c.q3)}]" for c in cs)
         + ".",
         f"{where}, µs per call: " + ", ".join(f"`{v}` {fmt(t)}" for v, t in us.items()),
+    )
+
+
+def _crossing_verdict(results: Results) -> Optional[Verdict]:
+    diffs = host_cost_differences(results)
+    if not diffs:
+        return None
+    said = "; ".join(
+        f"`{d.variant}` - `{d.vs}` {fmt(d.median_us)} [{fmt(d.q1_us)}, {fmt(d.q3_us)}] µs "
+        f"({'within' if d.within_budget else 'over'} {fmt(d.budget_us)})"
+        for d in diffs
+    )
+    return verdict(
+        "What do RustBlock's checks and the crossing cost per call?",
+        results.host_cost.batch,
+        [],
+        f"- What do RustBlock's checks and the crossing cost per call (the host-cost cell, paired within rounds)? "
+        f"{said}.",
+        said,
     )
 
 

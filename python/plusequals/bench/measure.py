@@ -45,6 +45,7 @@ from .variants import (
     Variant,
     compile_variants,
     cpp_variants,
+    differences_settled,
     eager_variants,
     echo_probes,
     graph_variants,
@@ -76,6 +77,24 @@ SEED_CLAIM = {
 # Families whose memory torch's allocator does not see: their peak is the runtime's own.
 RUNTIMES = ("jax", "onnxruntime")
 HOST_LOOP_N = 50
+# The crossing's budgets, µs per call at the host-cost shape (issue #24): what RustBlock's (CppBlock's)
+# Python checks, its watch and the crossing may cost over the raw extension call, and over a loop
+# inside Rust (C++). A donation is held to the same, against the raw donating call and the
+# in-place loop.
+CROSSING_BUDGETS = [
+    ("rust/forward", "rust/raw", 3.0),
+    ("rust/forward", "rust/loop", 5.0),
+    ("cpp/forward", "cpp/raw", 3.0),
+    ("cpp/forward", "cpp/loop", 5.0),
+    ("rust/forward_owned_donate", "rust/raw_owned_donate", 3.0),
+    ("rust/forward_owned_donate", "rust/loop_owned", 5.0),
+]
+# The host-cost cell runs at least HOST_MIN_ROUNDS rounds, then more (up to 3x, for at most
+# HOST_EXTRA_S seconds) until each of those differences' IQR is at most HOST_SETTLED_IQR_US, so
+# that two runs on a quiet machine agree on each within 2 µs.
+HOST_MIN_ROUNDS = 25
+HOST_EXTRA_S = 20.0
+HOST_SETTLED_IQR_US = 1.5
 
 
 # ----------------------------------------------------------------------------- the run's settings
@@ -127,6 +146,12 @@ def plan(device: str, quick: bool, unet: bool = True, compile: bool = True, comp
     )
 
 
+def host_rounds(p: Plan) -> tuple[int, int, float]:
+    """The host-cost cell's (rounds, max_rounds, extra_s): more than a cell's (HOST_MIN_ROUNDS)."""
+    rounds = max(p.rounds, HOST_MIN_ROUNDS)
+    return rounds, 3 * rounds, max(p.extra_s, HOST_EXTRA_S)
+
+
 def config(p: Plan) -> dict:
     """results.json's ``config``: the plan, and what the report's prose needs to say about it."""
     return {
@@ -146,6 +171,11 @@ def config(p: Plan) -> dict:
         "same_work": list(SAME_WORK),
         "same_work_band_pct": SAME_WORK_BAND_PCT,
         "rust_loop_n": p.loop_n,
+        "crossing_budgets": [list(b) for b in CROSSING_BUDGETS],
+        "host_rounds": host_rounds(p)[0],
+        "host_max_rounds": host_rounds(p)[1],
+        "host_extra_rounds_s": host_rounds(p)[2],
+        "host_settled_iqr_us": HOST_SETTLED_IQR_US,
         "torch_compile": p.torch_compile,
         "compilers": p.compilers,
         "compiler_versions": compilers.versions() if p.compilers else None,
@@ -372,13 +402,14 @@ def host_cost(
         s = make_setup(HOST_SHAPE, HOST_BATCH, HOST_CONTEXT, device, dtype)
         with torch.no_grad():
             variants = host_variants(s, HOST_LOOP_N)
-            settled = paired_iqr_settled(variants, SETTLED_PAIRED_IQR)
+            ratios = paired_iqr_settled(variants, SETTLED_PAIRED_IQR)
+            diffs = differences_settled(variants, CROSSING_BUDGETS, HOST_SETTLED_IQR_US)
             timed = timing.interleaved_rounds(
                 variant_probes(variants),
                 rounds,
                 seed,
                 sample_s,
-                settled=settled,
+                settled=lambda raw: ratios(raw) and diffs(raw),
                 max_rounds=max_rounds,
                 extra_s=extra_s,
             )
@@ -427,7 +458,8 @@ def measure(p: Plan, outdir: Path, console: Console) -> Recorder:
                 torch.cuda.empty_cache()
         progress.update(task, description=f"host cost: batch {HOST_BATCH} {HOST_SHAPE.label}, one thread")
         seed = ROUND_SEED + len(cells) + 1
-        rec.set("host_cost", host_cost(p.device, p.dtype, p.rounds, p.max_rounds, p.extra_s, p.sample_s, seed))
+        rounds, max_rounds, extra_s = host_rounds(p)
+        rec.set("host_cost", host_cost(p.device, p.dtype, rounds, max_rounds, extra_s, p.sample_s, seed))
         progress.update(task, description="measured")
         progress.advance(task)
     if p.unet:

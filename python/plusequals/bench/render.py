@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from .analyse import EXTRA_PAIRS, verdict_items
-from .results import Paired, Results, Row, UnetRow, fmt
+from .results import HostCost, Paired, Results, Row, UnetRow, fmt
 
 # Marks a paired ratio whose interquartile interval contains 1.
 NOISE_MARK = "≈"
@@ -313,7 +313,32 @@ def _host_cost(res: Results) -> list[str]:
     ]
     if tch := paired.get(("rust/loop", "cpp/loop")):
         md += ["", f"The tch layer here: `rust/loop` / `cpp/loop`, paired: {ratio_cell(tch)}."]
-    return md
+    return md + _crossing(hc)
+
+
+def _crossing(hc: HostCost) -> list[str]:
+    """What RustBlock's (CppBlock's) checks and the crossing cost over the raw extension call and
+    over a loop inside Rust (C++): paired differences and their budgets."""
+    if not hc.differences:
+        return []
+    rows = [
+        [
+            f"`{d.variant}` - `{d.vs}`",
+            f"{fmt(d.median_us)} [{fmt(d.q1_us)}, {fmt(d.q3_us)}]",
+            f"<= {fmt(d.budget_us)}",
+            "within" if d.within_budget else "over",
+        ]
+        for d in hc.differences
+    ]
+    return [
+        "",
+        "What RustBlock's checks (the watch of its last reading, the weights, the inputs) and the crossing cost: "
+        "each difference is taken within a round, then summarised over the rounds.",
+        "",
+        "The crossing: us per call, paired difference, median [Q1, Q3], and its budget:",
+        "",
+        table(["difference", "us per call", "budget (us)", ""], rows),
+    ]
 
 
 def _unet(res: Results) -> list[str]:

@@ -224,17 +224,21 @@ class HostCost(Record):
     cell: dict[str, Any]
     rows: list[Timing]
     paired: Optional[list[Paired]] = None
+    differences: Optional[list[Difference]] = None
 
     def to_json(self) -> dict:
         out = super().to_json()
-        if self.paired is None:
-            del out["paired"]
+        for key in ("paired", "differences"):
+            if out[key] is None:
+                del out[key]
         return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> HostCost:
         paired = [Paired.from_json(p) for p in d["paired"]] if "paired" in d else None
-        return replace(super().from_json(d), rows=[Timing.from_json(r) for r in d["rows"]], paired=paired)
+        diffs = [Difference.from_json(p) for p in d["differences"]] if "differences" in d else None
+        rows = [Timing.from_json(r) for r in d["rows"]]
+        return replace(super().from_json(d), rows=rows, paired=paired, differences=diffs)
 
 
 # ----------------------------------------------------------------------------- analysed
@@ -253,6 +257,24 @@ class Paired(Record):
     rounds: int
     within_noise: bool
     ratios: list[float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Difference(Record):
+    """``variant - vs`` in µs per call, within each round of one cell, its median and quartiles,
+    and the budget it is held to (the crossing's: RustBlock's checks and the crossing over the raw
+    extension call, or over a loop inside Rust)."""
+
+    variant: str
+    vs: str
+    median_us: float
+    q1_us: float
+    q3_us: float
+    iqr_us: float
+    rounds: int
+    budget_us: float
+    within_budget: bool
+    differences_us: list[float]
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,13 @@ HOST_VARIANTS = (
     "eager/op_plus_x",
     "eager/iadd",
     "rust/forward",
+    "rust/raw",
     "rust/loop",
+    "rust/forward_owned_donate",
+    "rust/raw_owned_donate",
+    "rust/loop_owned",
     "cpp/forward",
+    "cpp/raw",
     "cpp/loop",
     "graph/op_plus_x",
 )
@@ -79,6 +84,24 @@ def paired_iqr_settled(
     def settled(raw: Mapping[str, Sequence[float]]) -> bool:
         base = variant_ms(raw, ref)
         return all(spread(paired_ratios(variant_ms(raw, v), base)).iqr <= max_iqr for v in variants)
+
+    return settled
+
+
+def differences_settled(
+    variants: Sequence[Variant], pairs: Sequence[tuple[str, str, float]], max_iqr_us: float
+) -> Callable[[Mapping[str, Sequence[float]]], bool]:
+    """A stop rule for ``interleaved_rounds``: each ``(a, b, _)`` of ``pairs`` whose variants are
+    timed has a per-round difference ``a - b`` (µs per forward) whose IQR is at most ``max_iqr_us``."""
+    by = {v.name: v for v in variants}
+    timed = [(by[a], by[b]) for a, b, _ in pairs if a in by and b in by]
+
+    def settled(raw: Mapping[str, Sequence[float]]) -> bool:
+        for va, vb in timed:
+            diffs = [(x - y) * 1e3 for x, y in zip(variant_ms(raw, va), variant_ms(raw, vb))]
+            if spread(diffs).iqr > max_iqr_us:
+                return False
+        return True
 
     return settled
 
@@ -162,12 +185,42 @@ def cpp_variants(s: Setup, loop_n: int) -> list[Variant]:
     ]
 
 
+def crossing_variants(s: Setup, loop_n: int) -> list[Variant]:
+    """What the crossing costs alone (the host-cost cell): the extension's own calls
+    (``plusequals._rust.Block``) with none of RustBlock's or CppBlock's Python checks and no watch,
+    and the in-place loop that a donation is measured against."""
+    rust, cpp, x, c = s.rust._block, CppBlock.from_torch(s.block)._block, s.x, s.context
+    return [
+        Variant(
+            "rust/raw", "rust", lambda: rust.forward(x, c), "one forward through the raw extension call, unchecked"
+        ),
+        Variant("cpp/raw", "cpp", lambda: cpp.forward(x, c), "one forward through the raw extension call, unchecked"),
+        Variant(
+            "rust/raw_owned_donate",
+            "rust",
+            lambda: rust.forward_owned(x.clone(), c, True),
+            "one raw extension call, += into a donated fresh clone of x; the clone is timed in the same round and "
+            "subtracted",
+            reset=lambda: x.clone(),
+        ),
+        Variant(
+            "rust/loop_owned",
+            "rust",
+            lambda: rust.forward_loop(x, c, n=loop_n, owned=True),
+            f"{loop_n} in-place forwards inside one Rust call, each on x copied into the last output's buffer (the "
+            f"copy_ included), divided by {loop_n}",
+            per_call=loop_n,
+        ),
+    ]
+
+
 def host_variants(s: Setup, loop_n: int) -> list[Variant]:
     """The host-cost cell's variants (``HOST_VARIANTS``; the CUDA-graph one on CUDA only)."""
-    every = eager_variants(s) + rust_variants(s, loop_n) + cpp_variants(s, loop_n)
+    every = eager_variants(s) + rust_variants(s, loop_n) + cpp_variants(s, loop_n) + crossing_variants(s, loop_n)
     if s.device == "cuda":
         every += graph_variants(s)
-    return [v for v in every if v.name in HOST_VARIANTS]
+    by = {v.name: v for v in every}
+    return [by[name] for name in HOST_VARIANTS if name in by]
 
 
 def echo_probes(s: Setup) -> dict[str, Callable[[], object]]:

@@ -72,7 +72,9 @@ def check_cases(cases: list[Case], console: Console) -> dict[str, tuple[list[str
         "[workspace]",
         "",
         "[dependencies]",
-        f"plusequals = {{ path = {json.dumps(str(REPO))} }}",
+        # The python feature, as in make lint's clippy: the dependencies' check (tch's above all)
+        # is then the one clippy already made, in the same target dir.
+        f'plusequals = {{ path = {json.dumps(str(REPO))}, features = ["python"] }}',
         'tch = "=0.24.0"',
     ]
     for b in bins:

@@ -39,6 +39,24 @@ def _check_tensor(name: str, t: object, optional: bool = False) -> None:
         )
 
 
+# torch.compile and torch.export trace through this name too (Dynamo knows the function, not the
+# name): under them it is True, and the hot path, an opaque call, is never traced.
+_is_compiling = torch.compiler.is_compiling
+
+
+def _refuse_grad(x: Tensor, context: Optional[Tensor]) -> None:
+    """``forward_owned``'s refusal of an input that requires grad while grad mode is on."""
+    if torch.is_grad_enabled():
+        for name, t in (("x", x), ("context", context)):
+            if t is not None and t.requires_grad:
+                raise RuntimeError(
+                    f"forward_owned refuses {name}: it requires grad while grad mode is on. forward_owned adds "
+                    "the residuals in place, which would overwrite activations autograd saved for backward "
+                    "(the textual-inversion bug). Use forward() to train, or call forward_owned under "
+                    "torch.no_grad() / torch.inference_mode()."
+                )
+
+
 class RustBlock(nn.Module):
     """The Rust ``BasicTransformerBlock`` on the same weights as a PyTorch one, as a torch module.
 
@@ -77,6 +95,8 @@ class RustBlock(nn.Module):
         self._guards: List[tuple] = []  # what a traced call compares (torch.compile guards on it)
         self._trust: Optional[str] = None  # from_torch(trust=...): see there
         self._probe_pending = False  # unknown classes not yet probed in the current state
+        self._entry: Any = None  # the hot path's entry into Rust (_rebind)
+        self._rebind()
 
     @property
     def _block(self) -> Any:
@@ -147,9 +167,24 @@ class RustBlock(nn.Module):
         rb._config = config._replace(gated_ff=bool(gated_ff), **dims)
         rb._weights = tuple(weights[k] for k in rb._config.keys)
         rb._twin.set(inner, rb._weights, rb._config)
+        rb._rebind()
         return rb
 
     # -- following the module -----------------------------------------------------------------
+
+    def _rebind(self) -> None:
+        """The hot path's entry (``plusequals._rust.Entry``): the current Rust block bound to the
+        watch of the last reading, so that a forward is one call into Rust, which checks there what
+        Python would (plain tensors, no mode or saved-tensor hook that would see the ops) and then
+        everything the full path checks. None (every call takes the full path, :meth:`_call`) while
+        the module must be read again first: never read (a copy), or refused. Called wherever the
+        Rust block or the reading changes: the block's construction, :meth:`_reread`, the rebuild in
+        :meth:`_ensure_current`, and unpickling."""
+        inner, reading = self._twin.inner, self._reading
+        if not isinstance(inner, _rust.Block) or (self._source is not None and reading is None):
+            self._entry = None
+        else:
+            self._entry = _rust.Entry(inner, None if reading is None else reading.watch.rust)
 
     def _where(self) -> str:
         return type(self).__name__
@@ -169,6 +204,7 @@ class RustBlock(nn.Module):
         )
         if reading.reasons:
             self._reading = None
+            self._rebind()
             raise error(
                 f"{self._where()}: the Rust block cannot reproduce this block exactly: {'; '.join(reading.reasons)}. "
                 "It computes the SD v1 block (see plusequals.twin.faithful) and calls no submodule."
@@ -178,10 +214,12 @@ class RustBlock(nn.Module):
         self._guards = [(obj, name, value, not isinstance(value, _SCALARS)) for obj, name, value in reading.watch.attrs]
         if traced:
             self._reading = None  # the next eager call reads again, on the real parameters
+            self._rebind()
             return
         self._reading = reading
         self._weights = tuple(reading.weights())
         self._probe_pending = bool(reading.unknown)
+        self._rebind()
 
     def _ensure_current(self, error: type = UnsupportedBlockError) -> None:
         """The eager check before each call (module docstring): a few microseconds when nothing changed."""
@@ -195,12 +233,14 @@ class RustBlock(nn.Module):
         if not self._twin.fresh(weights, self._config):
             inner, self._device = validated_inner(dict(zip(self._config.keys, weights)), self._config)
             self._twin.set(inner, weights, self._config)
+            self._rebind()
             self._probe_pending = bool(self._reading and self._reading.unknown)  # a new dtype or device: again
         if self._probe_pending and can_probe(weights[0]):
             reason = probe(self._source, self._twin.inner.forward, self._config, weights[0])
             if reason:
                 classes = ", ".join(self._reading.unknown)
                 self._reading = None
+                self._rebind()
                 raise error(
                     f"{self._where()}: the block's classes ({classes}) are not ones this crate knows, and {reason}"
                 )
@@ -264,6 +304,14 @@ class RustBlock(nn.Module):
 
     def forward(self, x: Tensor, context: Optional[Tensor] = None) -> Tensor:
         """``x = op(norm(x)) + x`` three times, in Rust; ``x`` is only read."""
+        entry = self._entry
+        if entry is not None and not _is_compiling():
+            try:
+                y = entry.forward(x, context)  # the hot path: see _rebind
+            except _rust.StaleBlock:
+                y = NotImplemented  # the module changed: the full path reads it again
+            if y is not NotImplemented:
+                return y
         if torch.compiler.is_compiling() or symbolic(x, context):
             return ops.block_forward(*self._op_args(x, context))
         _check_tensor("x", x)
@@ -282,18 +330,18 @@ class RustBlock(nn.Module):
         """
         if not isinstance(donate, bool):
             raise TypeError(f"donate must be a bool, got {type(donate).__name__} {donate!r}")
+        entry = self._entry
+        if entry is not None and not _is_compiling():
+            try:
+                y = entry.forward_owned(x, context, donate)  # the hot path (grad off): see _rebind
+            except _rust.StaleBlock:
+                y = NotImplemented  # refused before anything moved: the full path reads the module again
+            if y is not NotImplemented:
+                return y
         traced = torch.compiler.is_compiling() or symbolic(x, context)
         _check_tensor("x", x)
         _check_tensor("context", context, optional=True)
-        if torch.is_grad_enabled():
-            for name, t in (("x", x), ("context", context)):
-                if t is not None and t.requires_grad:
-                    raise RuntimeError(
-                        f"forward_owned refuses {name}: it requires grad while grad mode is on. forward_owned adds "
-                        "the residuals in place, which would overwrite activations autograd saved for backward "
-                        "(the textual-inversion bug). Use forward() to train, or call forward_owned under "
-                        "torch.no_grad() / torch.inference_mode()."
-                    )
+        _refuse_grad(x, context)
         if donate:
             if traced:
                 raise RuntimeError(
@@ -358,7 +406,7 @@ class RustBlock(nn.Module):
     # a new, empty twin and builds its own on first use (on the copied parameters).
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state.update(_reading=None, _guards=[], _source_kids={}, _probe_pending=False)
+        state.update(_reading=None, _guards=[], _source_kids={}, _probe_pending=False, _entry=None)
         if state.get("_source") is not None:
             state["_weights"] = None
         return state
@@ -368,6 +416,7 @@ class RustBlock(nn.Module):
         self.__dict__["_slot"] = self._twin.id
         if self._source is not None:
             self._source_kids = {name: self._source._modules.get(name) for name in CHILDREN}
+        self._rebind()
 
 
 class CppBlock(RustBlock):
