@@ -9,6 +9,7 @@ is :meth:`RustBlock._ensure_current` (shared with the swap's replacement, a subc
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -39,12 +40,26 @@ def _check_tensor(name: str, t: object, optional: bool = False) -> None:
         )
 
 
+def _masks(attention_mask: object, encoder_attention_mask: object) -> Dict[str, Tensor]:
+    """The masks given (tensors, not donated ones), by the Rust block's keyword names."""
+    masks = {}
+    for name, m in (("attention_mask", attention_mask), ("encoder_attention_mask", encoder_attention_mask)):
+        _check_tensor(name, m, optional=True)
+        if m is not None:
+            masks[name] = m
+    return masks
+
+
 class RustBlock(nn.Module):
     """The Rust ``BasicTransformerBlock`` on the same weights as a PyTorch one, as a torch module.
 
     * ``forward(x, context=None)``: out of place (``op_plus_x``); differentiable.
     * ``forward_owned(x, context=None, donate=False)``: residuals added in place, grad off;
       the caller's tensor is never mutated unless it is donated.
+
+    Both take ``attention_mask`` and ``encoder_attention_mask`` (keywords; diffusers' semantics:
+    :class:`plusequals.model.blocks.Masks`), in eager calls on plain tensors; where the custom
+    ops would run (tracing, FakeTensor, modes, subclasses) masks are refused.
 
     Made with :meth:`from_torch`, it takes over the PyTorch block's submodules (``norm1``,
     ``attn1``, ..., the same objects: no copies), so its ``parameters()`` and ``state_dict()``
@@ -224,6 +239,12 @@ class RustBlock(nn.Module):
                 now = getattr(obj, name, None)
                 if (now is not value) if by_identity else (now != value):
                     raise UnsupportedBlockError(f"{self._where()}: {type(obj).__name__}.{name} changed while traced")
+            if self._config.lora:
+                raise UnsupportedBlockError(
+                    f"{self._where()}: a block with LoRA adapters cannot be traced (torch.compile, torch.export, "
+                    "FakeTensor) or run under a mode or with tensor subclasses: the custom ops take the base weights "
+                    "only; call it eagerly on plain tensors, or merge the adapters (merge_and_unload, fuse_lora)"
+                )
             return [self.get_parameter(path) for path in self._paths]
         if self._weights is None:
             raise RuntimeError(
@@ -232,12 +253,18 @@ class RustBlock(nn.Module):
             )
         return list(self._weights)
 
-    def _op_args(self, x: Tensor, context: Optional[Tensor]) -> tuple:
+    def _op_args(self, x: Tensor, context: Optional[Tensor], masks: Optional[Dict[str, Tensor]] = None) -> tuple:
+        if masks:
+            raise UnsupportedBlockError(
+                f"{self._where()}: {' and '.join(masks)} cannot be traced (torch.compile, torch.export, FakeTensor) "
+                "or run under a mode or with tensor subclasses: the custom ops take no masks; call it eagerly on "
+                "plain tensors"
+            )
         weights = self._traced_weights()
         for name, t in (("x", x), ("context", context)):  # the fake implementations see no device
             if isinstance(t, Tensor) and t.device != weights[0].device:
                 raise ValueError(f"{name} is on {t.device} but the block's weights are on {weights[0].device}")
-        return (x, context, weights, *self._config, self._slot, autocast_dtype(x))
+        return (x, context, weights, *self._config.op_fields, self._slot, autocast_dtype(x))
 
     # -- the entry points -----------------------------------------------------------------------
 
@@ -262,17 +289,38 @@ class RustBlock(nn.Module):
             kwargs["watch"] = self._reading.watch.rust
         return getattr(self._twin.inner, method)(*args, **kwargs)
 
-    def forward(self, x: Tensor, context: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        context: Optional[Tensor] = None,
+        *,
+        attention_mask: Optional[Tensor] = None,
+        encoder_attention_mask: Optional[Tensor] = None,
+    ) -> Tensor:
         """``x = op(norm(x)) + x`` three times, in Rust; ``x`` is only read."""
-        if torch.compiler.is_compiling() or symbolic(x, context):
-            return ops.block_forward(*self._op_args(x, context))
+        masks = (
+            {}
+            if attention_mask is None and encoder_attention_mask is None
+            else _masks(attention_mask, encoder_attention_mask)
+        )
+        if torch.compiler.is_compiling() or symbolic(x, context) or (masks and symbolic(*_pair(masks))):
+            return ops.block_forward(*self._op_args(x, context, masks))
         _check_tensor("x", x)
         _check_tensor("context", context, optional=True)
-        if seen_by_python(x, context, dispatch_modes=False):
-            return ops.block_forward(*self._op_args(x, context))
-        return run_under_saved_tensor_hooks(self._call, "forward", x, context)
+        if seen_by_python(x, context, dispatch_modes=False) or (masks and _seen(masks, dispatch_modes=False)):
+            return ops.block_forward(*self._op_args(x, context, masks))
+        call = functools.partial(self._call, **masks) if masks else self._call
+        return run_under_saved_tensor_hooks(call, "forward", x, context)
 
-    def forward_owned(self, x: Tensor, context: Optional[Tensor] = None, donate: bool = False) -> Tensor:
+    def forward_owned(
+        self,
+        x: Tensor,
+        context: Optional[Tensor] = None,
+        donate: bool = False,
+        *,
+        attention_mask: Optional[Tensor] = None,
+        encoder_attention_mask: Optional[Tensor] = None,
+    ) -> Tensor:
         """``x += op(norm(x))`` three times, in Rust, with grad mode off.
 
         ``donate=False``: works on a copy; the caller's ``x`` is unchanged.
@@ -282,7 +330,8 @@ class RustBlock(nn.Module):
         """
         if not isinstance(donate, bool):
             raise TypeError(f"donate must be a bool, got {type(donate).__name__} {donate!r}")
-        traced = torch.compiler.is_compiling() or symbolic(x, context)
+        masks = _masks(attention_mask, encoder_attention_mask)
+        traced = torch.compiler.is_compiling() or symbolic(x, context) or (bool(masks) and symbolic(*_pair(masks)))
         _check_tensor("x", x)
         _check_tensor("context", context, optional=True)
         if torch.is_grad_enabled():
@@ -301,23 +350,25 @@ class RustBlock(nn.Module):
                     "tensor is invalidated in Python, which a graph cannot express; pass donate=False (the compiler "
                     "may still reuse the buffer)"
                 )
-            return self._donate(x, context)
+            return self._donate(x, context, masks)
         if traced:
-            args = self._op_args(x, context)
+            args = self._op_args(x, context, masks)
             y = x.clone(memory_format=torch.contiguous_format)
             ops.block_forward_owned_(y, *args[1:])
             return y
-        if seen_by_python(x, context, dispatch_modes=True):
+        if seen_by_python(x, context, dispatch_modes=True) or (masks and _seen(masks, dispatch_modes=True)):
             # The same values, without an in-place op for Python code to see x in (a subclass's
             # __torch_dispatch__ would apply it once per inner tensor, into one x).
             with torch.no_grad():
-                return ops.block_forward(*self._op_args(x, context))
-        return self._call("forward_owned", x, context, donate=False)
+                return ops.block_forward(*self._op_args(x, context, masks))
+        return self._call("forward_owned", x, context, donate=False, **masks)
 
-    def _donate(self, x: Tensor, context: Optional[Tensor]) -> Tensor:
+    def _donate(self, x: Tensor, context: Optional[Tensor], masks: Dict[str, Tensor]) -> Tensor:
         """``forward_owned(x, donate=True)``: what only Python can see is refused here (modes,
         subclasses whose Python code the Rust ops would bypass); Rust checks ownership, moves the
         buffer and marks ``x`` donated, as one transaction (rust/python/donation.rs, ``donate_into``)."""
+        if masks and _seen(masks, dispatch_modes=True):
+            self._op_args(x, context, masks)  # raises: no custom op takes masks
         refused = why_not_donatable(x, context)
         if refused:
             arg, why, message, modes = refused
@@ -328,7 +379,7 @@ class RustBlock(nn.Module):
                 modes=modes,
             )
         cls = type(x)
-        y = self._call("forward_owned", x, context, donate=True)
+        y = self._call("forward_owned", x, context, donate=True, **masks)
         if not converts_results(cls):
             return y
         # Tensor's __torch_function__ converts results to the subclass: so does the donation,
@@ -384,3 +435,12 @@ class CppBlock(RustBlock):
 
 
 _SCALARS = (int, float, str, bool, tuple, type(None))
+
+
+def _pair(masks: Dict[str, Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    return masks.get("attention_mask"), masks.get("encoder_attention_mask")
+
+
+def _seen(masks: Dict[str, Tensor], dispatch_modes: bool) -> bool:
+    """Whether Python code must see a call with these masks (a subclass, a mode): see ``seen_by_python``."""
+    return seen_by_python(*_pair(masks), dispatch_modes=dispatch_modes)
