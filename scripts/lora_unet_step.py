@@ -47,7 +47,9 @@ def main() -> None:
     t = torch.tensor(500, device=args.device)
     models = {"plain eager": plain, "LoRA eager": lora}
     for name, model in list(models.items()):
-        swapped = copy.deepcopy(model)
+        # the module tree copied, the parameters and buffers shared (one copy of the weights in memory)
+        memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        swapped = copy.deepcopy(model, memo)
         swap_transformer_blocks(swapped)
         models[name.replace("eager", "Rust blocks")] = swapped
     with torch.no_grad():

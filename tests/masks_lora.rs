@@ -22,7 +22,7 @@ fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
 fn masks_follow_diffusers_semantics_in_both_attention_paths() -> plusequals::Result<()> {
     let (x, c) = small_inputs()?; // x (2, 16, 32), context (2, 7, 24)
     let zero = Tensor::zeros([2, 1, 7], (Kind::Float, Device::Cpu));
-    let mut keep = Tensor::ones([2, 7], (Kind::Bool, Device::Cpu));
+    let keep = Tensor::ones([2, 7], (Kind::Bool, Device::Cpu));
     let _ = keep.narrow(1, 0, 3).fill_(0);
     let bias = (keep.to_kind(Kind::Float).neg() + 1.0) * -10000.0; // the UNet's (1 - mask) * -10000
     let mut outs = Vec::new();

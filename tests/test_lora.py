@@ -51,7 +51,8 @@ def add_adapter(block, name, seed, **config):
 
 
 def lora_block(seed=0, **config):
-    block = randomize_(DiffusersBlock(DIM, HEADS, D_HEAD, cross_attention_dim=CTX), seed).eval()
+    with torch.random.fork_rng():  # nn.Linear's initialisation draws from the global generator: left as it was
+        block = randomize_(DiffusersBlock(DIM, HEADS, D_HEAD, cross_attention_dim=CTX), seed).eval()
     return add_adapter(block, "a", seed + 1, **config).eval()  # peft makes the adapter's dropouts in training mode
 
 
@@ -238,7 +239,8 @@ def test_dora_is_refused_naming_the_cause():
 def test_compvis_block_with_lora_and_the_cpp_twin():
     """The reading is shared: PEFT injected into plusequals' own block runs in RustBlock.from_torch;
     the C++ twin computes no LoRA terms, and says so."""
-    block = randomize_(BasicTransformerBlock(DIM, HEADS, D_HEAD, context_dim=CTX), 14).eval()
+    with torch.random.fork_rng():
+        block = randomize_(BasicTransformerBlock(DIM, HEADS, D_HEAD, context_dim=CTX), 14).eval()
     add_adapter(block, "a", 15, target_modules=["to_q", "to_v", "net.2"])
     x, c = inputs()
     with torch.no_grad():
@@ -250,11 +252,16 @@ def test_compvis_block_with_lora_and_the_cpp_twin():
 def test_lora_is_refused_where_the_custom_ops_would_run():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    rust = RustTransformerBlock(lora_block(seed=16))
-    with FakeTensorMode():
-        x, c = torch.empty(2, 5, DIM), torch.empty(2, 4, CTX)
-        with pytest.raises(UnsupportedBlockError, match="a block with LoRA adapters cannot be traced"):
-            call(rust, x, c)
+    block = lora_block(seed=16)
+    rust = RustTransformerBlock(block)
+    for merged in (False, True):  # merged too: a traced graph would not see an unmerge
+        if merged:
+            for layer in layers(block):
+                layer.merge()
+        with FakeTensorMode():
+            x, c = torch.empty(2, 5, DIM), torch.empty(2, 4, CTX)
+            with pytest.raises(UnsupportedBlockError, match=r"a block with LoRA adapters \(attn1.to_q, "):
+                call(rust, x, c)
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,7 +290,11 @@ def test_swapped_unet_with_lora_forward_backward_and_diffusers_api(adapter_after
     from plusequals import swap_transformer_blocks
 
     g = torch.Generator().manual_seed(17)
-    sample, t, context = torch.randn(2, 4, 16, 16, generator=g), torch.tensor([10, 700]), torch.randn(2, 77, 32)
+    sample, t, context = (
+        torch.randn(2, 4, 16, 16, generator=g),
+        torch.tensor([10, 700]),
+        torch.randn(2, 77, 32, generator=g),
+    )
     reference, unet = tiny_unet(), tiny_unet()
     for model in (reference, unet) if not adapter_after_swap else (reference,):
         unet_adapter(model, "a", 18)

@@ -71,7 +71,9 @@ def masked_call(draw):
 
 
 def compvis_block(attention: str, seed: int = 0) -> BasicTransformerBlock:
-    return randomize_(BasicTransformerBlock(DIM, HEADS, D_HEAD, context_dim=CTX, attention=attention), seed).eval()
+    with torch.random.fork_rng():  # nn.Linear's initialisation draws from the global generator: left as it was
+        block = BasicTransformerBlock(DIM, HEADS, D_HEAD, context_dim=CTX, attention=attention)
+    return randomize_(block, seed).eval()
 
 
 BLOCKS = {a: compvis_block(a) for a in ("sdpa", "einsum")}
@@ -193,7 +195,8 @@ class Holder(nn.Module):
 
 
 def diffusers_block(diffusers, processor: str, seed: int = 0):
-    block = diffusers.models.attention.BasicTransformerBlock(DIM, HEADS, D_HEAD, cross_attention_dim=CTX)
+    with torch.random.fork_rng():
+        block = diffusers.models.attention.BasicTransformerBlock(DIM, HEADS, D_HEAD, cross_attention_dim=CTX)
     randomize_(block.eval(), seed)
     processors = diffusers.models.attention_processor
     for attn in (block.attn1, block.attn2):
@@ -224,12 +227,13 @@ def test_drop_in_refuses_masks_that_other_processors_read_otherwise(diffusers, p
     """AttnProcessor's baddbmm raises on a boolean mask, and reads a (batch, keys) one as (queries,
     keys) (here 5 queries, 5 keys and batch * heads 8: it raises). The drop-in refuses both, naming why."""
     block = diffusers_block(diffusers, processor)
-    x = torch.randn(2, 5, DIM)
+    g = torch.Generator().manual_seed(8)
+    x, c = torch.randn(2, 5, DIM, generator=g), torch.randn(2, 4, CTX, generator=g)
     for mask, what in ((torch.ones(2, 1, 5, dtype=torch.bool), "a boolean mask"), (torch.zeros(2, 5), "2-d")):
         with pytest.raises(RuntimeError):
-            block(x, attention_mask=mask, encoder_hidden_states=torch.randn(2, 4, CTX))
+            block(x, attention_mask=mask, encoder_hidden_states=c)
         with pytest.raises(UnsupportedBlockError, match=f"attention_mask is {what}.*attn1's {processor} cannot"):
-            RustTransformerBlock(block)(x, attention_mask=mask, encoder_hidden_states=torch.randn(2, 4, CTX))
+            RustTransformerBlock(block)(x, attention_mask=mask, encoder_hidden_states=c)
 
 
 def tiny_unet(diffusers, seed=0):
@@ -249,7 +253,11 @@ def test_swapped_unet_runs_encoder_attention_mask_forward_and_backward(diffusers
     from plusequals import swap_transformer_blocks
 
     g = torch.Generator().manual_seed(6)
-    sample, t, context = torch.randn(2, 4, 16, 16, generator=g), torch.tensor([10, 700]), torch.randn(2, 77, 32)
+    sample, t, context = (
+        torch.randn(2, 4, 16, 16, generator=g),
+        torch.tensor([10, 700]),
+        torch.randn(2, 77, 32, generator=g),
+    )
     keep = torch.rand(2, 77, generator=g) > 0.5
     mask = {"01": keep.float(), "bool": keep, "all_ones": torch.ones(2, 77), "all_zeros_row": keep.float()}[kind]
     if kind == "all_zeros_row":

@@ -92,6 +92,7 @@ class RustBlock(nn.Module):
         self._guards: List[tuple] = []  # what a traced call compares (torch.compile guards on it)
         self._trust: Optional[str] = None  # from_torch(trust=...): see there
         self._probe_pending = False  # unknown classes not yet probed in the current state
+        self._lora_layers: Tuple[str, ...] = ()  # peft LoRA layers in the last reading: never traced
 
     @property
     def _block(self) -> Any:
@@ -189,6 +190,7 @@ class RustBlock(nn.Module):
                 "It computes the SD v1 block (see plusequals.twin.faithful) and calls no submodule."
             )
         self._config = reading.spec._replace(language=self.LANGUAGE)
+        self._lora_layers = reading.lora_layers
         self._paths = reading.paths
         self._guards = [(obj, name, value, not isinstance(value, _SCALARS)) for obj, name, value in reading.watch.attrs]
         if traced:
@@ -239,11 +241,12 @@ class RustBlock(nn.Module):
                 now = getattr(obj, name, None)
                 if (now is not value) if by_identity else (now != value):
                     raise UnsupportedBlockError(f"{self._where()}: {type(obj).__name__}.{name} changed while traced")
-            if self._config.lora:
+            if self._lora_layers:  # merged or disabled too: a traced graph would not see them change
                 raise UnsupportedBlockError(
-                    f"{self._where()}: a block with LoRA adapters cannot be traced (torch.compile, torch.export, "
-                    "FakeTensor) or run under a mode or with tensor subclasses: the custom ops take the base weights "
-                    "only; call it eagerly on plain tensors, or merge the adapters (merge_and_unload, fuse_lora)"
+                    f"{self._where()}: a block with LoRA adapters ({', '.join(self._lora_layers)}) cannot be traced "
+                    "(torch.compile, torch.export, FakeTensor) or run under a mode or with tensor subclasses: the "
+                    "custom ops take the base weights only; call it eagerly on plain tensors, or remove the adapters "
+                    "(merge_and_unload, unload_lora)"
                 )
             return [self.get_parameter(path) for path in self._paths]
         if self._weights is None:

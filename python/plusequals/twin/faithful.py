@@ -82,6 +82,7 @@ class Reading:
     reasons: List[str]
     watch: Watch
     unknown: Tuple[str, ...]  # classes this module does not know (then the probe runs)
+    lora_layers: Tuple[str, ...] = ()  # the paths of peft LoRA layers (twin/lora.py), active or not
 
     def weights(self) -> List[torch.Tensor]:
         return [owner._parameters[name] for owner, name in self.slots]
@@ -280,7 +281,7 @@ class _Reader:
                 slots.append((owner, name))
                 paths.append(path)
         reasons = list(dict.fromkeys(self.reasons))  # a dropout is seen by its slot and by the tree walk
-        return Reading(spec, tuple(slots), tuple(paths), reasons, self.w.seal(), unknown)
+        return Reading(spec, tuple(slots), tuple(paths), reasons, self.w.seal(), unknown, tuple(self.wrapped))
 
 
 def _not_a_block(block: Any, why: str) -> TypeError:

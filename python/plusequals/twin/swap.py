@@ -15,8 +15,10 @@ submodules (``norm1, attn1, norm2, attn2, norm3, ff``) under the same names, so 
 ``state_dict`` keys, ``parameters()``, ``attn_processors`` and ``.to()`` behave as before; it
 rebuilds its Rust twin whenever the parameters it was built on change identity, storage, dtype
 or device (``.to()``, ``.half()``, ``load_state_dict(assign=True)``), and refuses to run once
-something it cannot honour appears (a non-default attention processor, PEFT/LoRA layers
-injected into the projections, ...): the same mechanism as ``RustBlock.from_torch``. What
+something it cannot honour appears (an IP-Adapter processor, a DoRA adapter, LoRA dropout in
+training, ...): the same mechanism as ``RustBlock.from_torch``. It takes diffusers' masks
+(``attention_mask``, ``encoder_attention_mask``) and runs peft LoRA adapters in Rust; what runs and
+what is refused is the README's drop-in section. What
 counts as "the SD v1 kind" is :mod:`plusequals.twin.faithful`, shared with ``RustBlock.from_torch``.
 
 diffusers is optional: this module imports it only when a function needs it.
