@@ -54,9 +54,12 @@ test-rust: venv
 # make test: the extension first (pytest needs it, and its build fills ccache with torch-sys's C++),
 # then pytest beside the Rust side (ruff, rustfmt, clippy, cargo test): pytest keeps about one core
 # busy, rustc the other. Each side's output is printed whole when it finishes (--output-sync).
+# Side by side, libtorch runs one intra-op thread (OMP_NUM_THREADS=1): two OpenMP threads that
+# share a core with rustc wait at every op's barrier for the one descheduled, and a forward then
+# takes a hundred times as long (measured: a quick-report cell's 2.9 ms became 240 ms).
 test: build-dev
 	@echo "test: pytest beside ruff, clippy and cargo test; each one's output follows when it finishes"
-	@$(MAKE) --no-print-directory -j2 --output-sync=recurse pytest rust-checks
+	@OMP_NUM_THREADS=1 $(MAKE) --no-print-directory -j2 --output-sync=recurse pytest rust-checks
 
 # The checks alone, without the set-up steps (test, test-python, test-rust and lint run these)
 pytest:

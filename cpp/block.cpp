@@ -6,7 +6,23 @@
 
 namespace plusequals {
 
-at::Tensor CrossAttention::forward(const at::Tensor& x, const std::optional<at::Tensor>& context_) const {
+// diffusers' prepare_attention_mask (repeated per head over the batch) and the view before SDPA:
+// (b, [1 or q,] k) -> (b * h, [1 or q,] k) -> (b, h, 1 or q, k)
+static at::Tensor per_head(const at::Tensor& mask, int64_t b, int64_t h) {
+  return mask.repeat_interleave(h, 0, b * h).view({b, h, -1, mask.size(-1)});
+}
+
+// `sim + mask` for the einsum path: a boolean mask becomes the bias SDPA makes of it.
+static at::Tensor add_mask(const at::Tensor& sim, const at::Tensor& mask) {
+  if (mask.scalar_type() == at::kBool) {
+    const at::Tensor bias = at::zeros_like(mask).to(sim.scalar_type()).masked_fill(mask.logical_not(), -INFINITY);
+    return sim + bias;
+  }
+  return sim + mask;
+}
+
+at::Tensor CrossAttention::forward(const at::Tensor& x, const std::optional<at::Tensor>& context_,
+                                   const std::optional<at::Tensor>& mask_) const {
   const int64_t h = heads;
   const at::Tensor q = to_q.forward(x);
   const at::Tensor& context = context_.has_value() ? *context_ : x;
@@ -14,11 +30,15 @@ at::Tensor CrossAttention::forward(const at::Tensor& x, const std::optional<at::
   const at::Tensor v = to_v.forward(context);
   const int64_t b = q.size(0), n = q.size(1), inner = q.size(2);
   const int64_t d = inner / h;
+  const std::optional<at::Tensor> mask =
+      mask_.has_value() ? std::optional<at::Tensor>(per_head(*mask_, b, h)) : std::nullopt;
   at::Tensor out;
   if (attention == Attention::Einsum) {
     // 'b n (h d) -> (b h) n d'
     auto split = [&](const at::Tensor& t) { return t.reshape({b, -1, h, d}).permute({0, 2, 1, 3}).reshape({b * h, -1, d}); };
-    const at::Tensor sim = at::einsum("b i d, b j d -> b i j", {split(q), split(k)}) * scale;
+    at::Tensor sim = at::einsum("b i d, b j d -> b i j", {split(q), split(k)}) * scale;
+    // '(b h) 1|i j' against sim's '(b h) i j'
+    if (mask.has_value()) sim = add_mask(sim, mask->flatten(0, 1));
     const at::Tensor attn = sim.softmax(-1);
     out = at::einsum("b i j, b j d -> b i d", {attn, split(v)});
     // '(b h) n d -> b n (h d)'
@@ -26,7 +46,7 @@ at::Tensor CrossAttention::forward(const at::Tensor& x, const std::optional<at::
   } else {
     // 'b n (h d) -> b h n d'
     auto split = [&](const at::Tensor& t) { return t.reshape({b, -1, h, d}).transpose(1, 2); };
-    out = at::scaled_dot_product_attention(split(q), split(k), split(v), {}, 0.0, false, scale);
+    out = at::scaled_dot_product_attention(split(q), split(k), split(v), mask, 0.0, false, scale);
     out = out.transpose(1, 2).reshape({b, n, h * d});
   }
   return to_out.forward(out);
@@ -43,16 +63,20 @@ at::Tensor FeedForward::forward(const at::Tensor& x) const {
   return net_2.forward(y);
 }
 
-at::Tensor BasicTransformerBlock::forward(const at::Tensor& x_, const std::optional<at::Tensor>& context) const {
-  at::Tensor x = attn1.forward(norm1.forward(x_), std::nullopt) + x_;
-  x = attn2.forward(norm2.forward(x), context) + x;
+at::Tensor BasicTransformerBlock::forward(const at::Tensor& x_, const std::optional<at::Tensor>& context,
+                                          const std::optional<at::Tensor>& mask1,
+                                          const std::optional<at::Tensor>& mask2) const {
+  at::Tensor x = attn1.forward(norm1.forward(x_), std::nullopt, mask1) + x_;
+  x = attn2.forward(norm2.forward(x), context, mask2) + x;
   x = ff.forward(norm3.forward(x)) + x;
   return x;
 }
 
-at::Tensor BasicTransformerBlock::forward_owned(at::Tensor x, const std::optional<at::Tensor>& context) const {
-  x.add_(attn1.forward(norm1.forward(x), std::nullopt));
-  x.add_(attn2.forward(norm2.forward(x), context));
+at::Tensor BasicTransformerBlock::forward_owned(at::Tensor x, const std::optional<at::Tensor>& context,
+                                                const std::optional<at::Tensor>& mask1,
+                                                const std::optional<at::Tensor>& mask2) const {
+  x.add_(attn1.forward(norm1.forward(x), std::nullopt, mask1));
+  x.add_(attn2.forward(norm2.forward(x), context, mask2));
   x.add_(ff.forward(norm3.forward(x)));
   return x;
 }

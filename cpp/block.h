@@ -41,7 +41,9 @@ struct CrossAttention {
   double scale;
   int64_t heads;
   Attention attention;
-  at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& context) const;
+  // `mask`: diffusers' semantics, as in rust/masks.rs (a bias or a boolean mask, repeated per head).
+  at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& context,
+                     const std::optional<at::Tensor>& mask = std::nullopt) const;
 };
 
 // `GEGLU`: `proj` to twice the width; one half gated by the exact GELU of the other.
@@ -77,11 +79,15 @@ struct BasicTransformerBlock {
   BasicTransformerBlock(const Weights& w, const Config& cfg);
 
   // `op_plus_x`, out of place: `x` is only read.
-  at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& context) const;
+  at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& context,
+                     const std::optional<at::Tensor>& mask1 = std::nullopt,
+                     const std::optional<at::Tensor>& mask2 = std::nullopt) const;
 
   // `iadd`: the caller hands `x` over (by value) and the residuals are added into it. The
   // compiler checks none of this: the caller may keep another handle on the same tensor.
-  at::Tensor forward_owned(at::Tensor x, const std::optional<at::Tensor>& context) const;
+  at::Tensor forward_owned(at::Tensor x, const std::optional<at::Tensor>& context,
+                           const std::optional<at::Tensor>& mask1 = std::nullopt,
+                           const std::optional<at::Tensor>& mask2 = std::nullopt) const;
 };
 
 }  // namespace plusequals

@@ -55,16 +55,20 @@ BasicTransformerBlock* pe_cpp_block_new(const char* const* keys, const at::Tenso
 void pe_cpp_block_free(BasicTransformerBlock* block) { delete block; }
 
 at::Tensor* pe_cpp_forward(const BasicTransformerBlock* block, const at::Tensor* x, const at::Tensor* context,
-                           char* err, size_t len) {
-  return guarded(err, len, [&] { return new at::Tensor(block->forward(*x, optional(context))); });
+                           const at::Tensor* mask1, const at::Tensor* mask2, char* err, size_t len) {
+  return guarded(err, len, [&] {
+    return new at::Tensor(block->forward(*x, optional(context), optional(mask1), optional(mask2)));
+  });
 }
 
 // `x` by value: the block gets a second handle on `*x`'s tensor, so the caller (rust/cpp.rs, which
 // checked that it owns `x` alone) still holds the buffer if the block throws, and can tell from
 // its version counter whether anything was written.
 at::Tensor* pe_cpp_forward_owned(const BasicTransformerBlock* block, const at::Tensor* x, const at::Tensor* context,
-                                 char* err, size_t len) {
-  return guarded(err, len, [&] { return new at::Tensor(block->forward_owned(*x, optional(context))); });
+                                 const at::Tensor* mask1, const at::Tensor* mask2, char* err, size_t len) {
+  return guarded(err, len, [&] {
+    return new at::Tensor(block->forward_owned(*x, optional(context), optional(mask1), optional(mask2)));
+  });
 }
 
 // `n` forwards without leaving C++: `forward` on `x`, or `forward_owned` on a buffer refilled

@@ -11,7 +11,9 @@ use tch::{Kind, Tensor};
 use crate::error::{Error, Failure, Result};
 use crate::facts::{autocast_produces, dense_size, device, device_name, versions};
 use crate::failpoint::{self, Step};
+use crate::masks::{add_mask, check_mask, per_head, Masks};
 use crate::ownership::{check_exclusive, check_owned_by, Caller, NoGrad};
+use crate::weights::Weights;
 
 /// Which attention kernel `CrossAttention` uses (`attention=` in the PyTorch block).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +44,20 @@ pub struct BlockConfig {
     pub context_dim: Option<i64>,
     pub gated_ff: bool,
     pub attention: Attention,
+    /// The PEFT LoRA terms on the linear layers, in the order they are added.
+    pub lora: Vec<LoraSpec>,
+}
+
+/// One LoRA term of a linear layer (PEFT's `lora.Linear`, one active adapter): its weights are
+/// `{linear}.lora.{i}.A.weight` (rank x in), `{linear}.lora.{i}.B.weight` (out x rank) and, with
+/// `bias`, `{linear}.lora.{i}.B.bias`, where `i` is its index in [`BlockConfig::lora`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraSpec {
+    /// The linear layer's CompVis key ("attn1.to_q", "ff.net.2", ...).
+    pub linear: String,
+    pub rank: i64,
+    pub scaling: f64,
+    pub bias: bool,
 }
 
 impl BlockConfig {
@@ -53,77 +69,45 @@ impl BlockConfig {
     }
 }
 
-/// A name → tensor map (a state_dict) from which modules take their weights by key.
-///
-/// Every take checks the shape; [`Weights::finish`] rejects keys nobody took.
-pub struct Weights {
-    map: HashMap<String, Tensor>,
-    /// The dtype and device of the first weight taken (its device as `facts::device` codes it,
-    /// and as torch names it), which every other weight must share.
-    first: Option<(Kind, i64, String)>,
-}
-
-impl Weights {
-    pub fn new(map: HashMap<String, Tensor>) -> Self {
-        Weights { map, first: None }
-    }
-
-    /// Takes `prefix.name`, checking its shape and that all weights share one dtype and device.
-    pub fn take(&mut self, prefix: &str, name: &str, shape: &[i64]) -> Result<Tensor> {
-        let key = format!("{prefix}.{name}");
-        let t = self.map.remove(&key).ok_or_else(|| Error::MissingWeight(key.clone()))?;
-        let got = dense_size(&t).ok_or_else(|| Error::WeightType {
-            key: key.clone(),
-            got: "a tensor without a dense shape (nested, sparse, ...)".to_string(),
-            expected: "dense tensors".to_string(),
-        })?;
-        if got != shape {
-            return Err(Error::WeightShape { key, expected: shape.to_vec(), got });
-        }
-        let (kind, device) = (t.f_kind()?, device(&t).ok_or_else(|| Error::MissingWeight(key.clone()))?);
-        let (first_kind, first_device, first_name) = self.first.get_or_insert_with(|| (kind, device, device_name(&t)));
-        if (*first_kind, *first_device) != (kind, device) {
-            return Err(Error::WeightType {
-                key,
-                got: format!("{kind:?} on {}", device_name(&t)),
-                expected: format!("{first_kind:?} on {first_name}"),
-            });
-        }
-        Ok(t)
-    }
-
-    /// Errors on the first key (in sorted order) that no module took.
-    pub fn finish(self) -> Result<(Kind, i64, String)> {
-        let mut extra: Vec<_> = self.map.into_keys().collect();
-        extra.sort();
-        if let Some(key) = extra.into_iter().next() {
-            return Err(Error::UnexpectedWeight(key));
-        }
-        match self.first {
-            Some((kind, device, name)) if matches!(kind, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double) => {
-                Ok((kind, device, name))
-            }
-            Some((kind, ..)) => Err(Error::config(format!("the weights are {kind:?}, not a floating-point dtype"))),
-            None => Err(Error::config("the block has no weights".to_string())),
-        }
-    }
-}
-
-/// `nn.Linear`: `x @ weight.T + bias`.
+/// `nn.Linear`: `x @ weight.T + bias`, plus PEFT's LoRA terms when it carries adapters.
 pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
+    pub lora: Vec<Lora>,
+}
+
+/// One LoRA term ([`LoraSpec`]): `lora_B(lora_A(x)) * scaling`, on PEFT's own tensors.
+pub struct Lora {
+    /// `{linear}.lora.{i}`: its weights' keys are this and `.A.weight`, `.B.weight`, `.B.bias`.
+    pub key: String,
+    pub a: Tensor,
+    pub b: Tensor,
+    pub b_bias: Option<Tensor>,
+    pub scaling: f64,
 }
 
 impl Linear {
-    fn load(w: &mut Weights, prefix: &str, d_in: i64, d_out: i64, bias: bool) -> Result<Self> {
+    fn load(w: &mut Weights, prefix: &str, (d_in, d_out): (i64, i64), bias: bool, lora: &[LoraSpec]) -> Result<Self> {
         let weight = w.take(prefix, "weight", &[d_out, d_in])?;
         let bias = if bias { Some(w.take(prefix, "bias", &[d_out])?) } else { None };
-        Ok(Linear { weight, bias })
+        let mut terms = Vec::new();
+        for (i, spec) in lora.iter().enumerate().filter(|(_, s)| s.linear == prefix) {
+            let a = w.take(prefix, &format!("lora.{i}.A.weight"), &[spec.rank, d_in])?;
+            let b = w.take(prefix, &format!("lora.{i}.B.weight"), &[d_out, spec.rank])?;
+            let b_bias = if spec.bias { Some(w.take(prefix, &format!("lora.{i}.B.bias"), &[d_out])?) } else { None };
+            terms.push(Lora { key: format!("{prefix}.lora.{i}"), a, b, b_bias, scaling: spec.scaling });
+        }
+        Ok(Linear { weight, bias, lora: terms })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.f_linear(&self.weight, self.bias.as_ref())?)
+        let mut result = x.f_linear(&self.weight, self.bias.as_ref())?;
+        for t in &self.lora {
+            // PEFT's lora.Linear: result = result + lora_B(lora_A(dropout(x))) * scaling (dropout: identity)
+            let lora_b = x.f_linear(&t.a, None::<&Tensor>)?.f_linear(&t.b, t.b_bias.as_ref())?;
+            result = result.f_add(&lora_b.f_mul_scalar(t.scaling)?)?;
+        }
+        Ok(result)
     }
 }
 
@@ -159,10 +143,10 @@ impl CrossAttention {
     fn load(w: &mut Weights, prefix: &str, query_dim: i64, context_dim: i64, cfg: &BlockConfig) -> Result<Self> {
         let inner_dim = cfg.inner_dim()?;
         Ok(CrossAttention {
-            to_q: Linear::load(w, &format!("{prefix}.to_q"), query_dim, inner_dim, false)?,
-            to_k: Linear::load(w, &format!("{prefix}.to_k"), context_dim, inner_dim, false)?,
-            to_v: Linear::load(w, &format!("{prefix}.to_v"), context_dim, inner_dim, false)?,
-            to_out: Linear::load(w, &format!("{prefix}.to_out.0"), inner_dim, query_dim, true)?,
+            to_q: Linear::load(w, &format!("{prefix}.to_q"), (query_dim, inner_dim), false, &cfg.lora)?,
+            to_k: Linear::load(w, &format!("{prefix}.to_k"), (context_dim, inner_dim), false, &cfg.lora)?,
+            to_v: Linear::load(w, &format!("{prefix}.to_v"), (context_dim, inner_dim), false, &cfg.lora)?,
+            to_out: Linear::load(w, &format!("{prefix}.to_out.0"), (inner_dim, query_dim), true, &cfg.lora)?,
             scale: (cfg.d_head as f64).powf(-0.5),
             heads: cfg.n_heads,
             attention: cfg.attention,
@@ -170,6 +154,11 @@ impl CrossAttention {
     }
 
     pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
+        self.forward_masked(x, context, None)
+    }
+
+    /// [`forward`](Self::forward) with an attention mask ([`crate::masks`]).
+    pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, mask: Option<&Tensor>) -> Result<Tensor> {
         let h = self.heads;
         let q = self.to_q.forward(x)?;
         let context = context.unwrap_or(x);
@@ -177,6 +166,7 @@ impl CrossAttention {
         let v = self.to_v.forward(context)?;
         let (b, n, inner) = q.size3()?;
         let d = inner / h;
+        let mask = mask.map(|m| per_head(m, b, h)).transpose()?;
         let out = match self.attention {
             Attention::Einsum => {
                 // 'b n (h d) -> (b h) n d'
@@ -184,8 +174,12 @@ impl CrossAttention {
                     Ok(t.f_reshape([b, -1, h, d])?.f_permute([0, 2, 1, 3])?.f_reshape([b * h, -1, d])?)
                 };
                 let (q, k, v) = (split(&q)?, split(&k)?, split(&v)?);
-                let sim =
+                let mut sim =
                     Tensor::f_einsum("b i d, b j d -> b i j", &[&q, &k], None::<&[i64]>)?.f_mul_scalar(self.scale)?;
+                if let Some(mask) = &mask {
+                    // '(b h) 1|i j' against sim's '(b h) i j'
+                    sim = add_mask(&sim, &mask.f_flatten(0, 1)?)?;
+                }
                 let attn = sim.f_softmax(-1, None::<Kind>)?;
                 let out = Tensor::f_einsum("b i j, b j d -> b i d", &[&attn, &v], None::<&[i64]>)?;
                 // '(b h) n d -> b n (h d)'
@@ -196,7 +190,7 @@ impl CrossAttention {
                 let split = |t: &Tensor| -> Result<Tensor> { Ok(t.f_reshape([b, -1, h, d])?.f_transpose(1, 2)?) };
                 let (q, k, v) = (split(&q)?, split(&k)?, split(&v)?);
                 let out =
-                    Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, false, self.scale, false)?;
+                    Tensor::f_scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), 0.0, false, self.scale, false)?;
                 out.f_transpose(1, 2)?.f_reshape([b, n, h * d])?
             }
         };
@@ -238,17 +232,18 @@ impl FeedForward {
         }
     }
 
-    fn load(w: &mut Weights, prefix: &str, dim: i64, glu: bool) -> Result<Self> {
+    fn load(w: &mut Weights, prefix: &str, dim: i64, cfg: &BlockConfig) -> Result<Self> {
         let inner_dim =
             dim.checked_mul(8).map(|_| 4 * dim).ok_or_else(|| Error::config(format!("dim {dim} overflows")))?;
-        let net_0 = if glu {
+        let lora = &cfg.lora;
+        let net_0 = if cfg.gated_ff {
             ProjectIn::GeGlu(GeGlu {
-                proj: Linear::load(w, &format!("{prefix}.net.0.proj"), dim, inner_dim * 2, true)?,
+                proj: Linear::load(w, &format!("{prefix}.net.0.proj"), (dim, inner_dim * 2), true, lora)?,
             })
         } else {
-            ProjectIn::Gelu(Linear::load(w, &format!("{prefix}.net.0.0"), dim, inner_dim, true)?)
+            ProjectIn::Gelu(Linear::load(w, &format!("{prefix}.net.0.0"), (dim, inner_dim), true, lora)?)
         };
-        Ok(FeedForward { net_0, net_2: Linear::load(w, &format!("{prefix}.net.2"), inner_dim, dim, true)? })
+        Ok(FeedForward { net_0, net_2: Linear::load(w, &format!("{prefix}.net.2"), (inner_dim, dim), true, lora)? })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -290,7 +285,7 @@ impl BasicTransformerBlock {
         let (dim, context_dim) = (cfg.dim, cfg.context_dim.unwrap_or(cfg.dim));
         let w = &mut Weights::new(weights);
         let attn1 = CrossAttention::load(w, "attn1", dim, dim, cfg)?;
-        let ff = FeedForward::load(w, "ff", dim, cfg.gated_ff)?;
+        let ff = FeedForward::load(w, "ff", dim, cfg)?;
         let attn2 = CrossAttention::load(w, "attn2", dim, context_dim, cfg)?;
         let norm1 = LayerNorm::load(w, "norm1", dim)?;
         let norm2 = LayerNorm::load(w, "norm2", dim)?;
@@ -316,9 +311,15 @@ impl BasicTransformerBlock {
 
     /// `op_plus_x`, out of place: `x` is only borrowed, so it cannot be mutated.
     pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
+        self.forward_masked(x, context, Masks::NONE)
+    }
+
+    /// [`forward`](Self::forward) with attention masks ([`crate::masks`]).
+    pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<Tensor> {
         self.check_inputs(x, context)?;
-        let x = self.attn1.forward(&self.norm1.forward(x)?, None)?.f_add(x)?;
-        let x = self.attn2.forward(&self.norm2.forward(&x)?, context)?.f_add(&x)?;
+        self.check_masks(x, context, masks)?;
+        let x = self.attn1.forward_masked(&self.norm1.forward(x)?, None, masks.attn1)?.f_add(x)?;
+        let x = self.attn2.forward_masked(&self.norm2.forward(&x)?, context, masks.attn2)?.f_add(&x)?;
         let x = self.ff.forward(&self.norm3.forward(&x)?)?.f_add(&x)?;
         Ok(x)
     }
@@ -336,7 +337,7 @@ impl BasicTransformerBlock {
     /// [`Failure::Unwritten`]. After the first write, `x`'s buffer is consumed:
     /// [`Failure::Consumed`].
     pub fn try_forward_owned(&self, x: Tensor, context: Option<&Tensor>, no_grad: &NoGrad) -> Result<Tensor, Failure> {
-        self.forward_owned_by(x, context, no_grad, &Caller::RUST)
+        self.forward_owned_by(x, context, Masks::NONE, no_grad, &Caller::RUST)
     }
 
     /// [`try_forward_owned`](Self::try_forward_owned) for a given [`Caller`] (the Python glue).
@@ -344,22 +345,26 @@ impl BasicTransformerBlock {
         &self,
         mut x: Tensor,
         context: Option<&Tensor>,
+        masks: Masks<'_>,
         _grad_off: &NoGrad,
         caller: &Caller,
     ) -> Result<Tensor, Failure> {
-        let first = self.check_inputs(&x, context).and_then(|()| check_owned_by(&x, context, caller));
+        let first = self
+            .check_inputs(&x, context)
+            .and_then(|()| self.check_masks(&x, context, masks))
+            .and_then(|()| check_owned_by(&x, context, caller));
         // Up to and including the first `add_`, nothing is written: libtorch's add_ checks its
         // arguments (shapes, dtypes, inference tensors) before its kernel runs.
         let first = first
             .and_then(|()| failpoint::check(Step::BeforeFirstWrite))
-            .and_then(|()| self.attn1.forward(&self.norm1.forward(&x)?, None))
+            .and_then(|()| self.attn1.forward_masked(&self.norm1.forward(&x)?, None, masks.attn1))
             .and_then(|h| add_into(&mut x, &h, caller));
         if let Err(e) = first {
             return Err(Failure::Unwritten(e, x));
         }
         let mut rest = || -> Result<()> {
             failpoint::check(Step::AfterFirstWrite)?;
-            let h = self.attn2.forward(&self.norm2.forward(&x)?, context)?;
+            let h = self.attn2.forward_masked(&self.norm2.forward(&x)?, context, masks.attn2)?;
             add_into(&mut x, &h, caller)?;
             let h = self.ff.forward(&self.norm3.forward(&x)?)?;
             add_into(&mut x, &h, caller)?;
@@ -370,6 +375,7 @@ impl BasicTransformerBlock {
     }
 
     /// Every weight, in state_dict order ([`weight_keys`](Self::weight_keys)).
+    /// The LoRA terms' weights come last, in [`BlockConfig::lora`] order.
     pub fn weights(&self) -> Vec<&Tensor> {
         let mut w = Vec::with_capacity(16);
         for attn in [&self.attn1, &self.attn2] {
@@ -384,7 +390,22 @@ impl BasicTransformerBlock {
         for n in [&self.norm1, &self.norm2, &self.norm3] {
             w.extend([&n.weight, &n.bias]);
         }
+        for t in self.lora_terms() {
+            w.extend([&t.a, &t.b]);
+            w.extend(t.b_bias.as_ref());
+        }
         w
+    }
+
+    /// Every LoRA term, linear by linear.
+    fn lora_terms(&self) -> Vec<&Lora> {
+        let (project_in, net_2) = self.ff.linears();
+        let mut linears = vec![];
+        for attn in [&self.attn1, &self.attn2] {
+            linears.extend([&attn.to_q, &attn.to_k, &attn.to_v, &attn.to_out]);
+        }
+        linears.extend([project_in, net_2]);
+        linears.into_iter().flat_map(|lin| lin.lora.iter()).collect()
     }
 
     /// The CompVis key of each of [`weights`](Self::weights), in the same order.
@@ -404,6 +425,10 @@ impl BasicTransformerBlock {
         keys.extend(["ff.net.2.weight".to_string(), "ff.net.2.bias".to_string()]);
         for norm in ["norm1", "norm2", "norm3"] {
             keys.extend([format!("{norm}.weight"), format!("{norm}.bias")]);
+        }
+        for t in self.lora_terms() {
+            keys.extend([format!("{}.A.weight", t.key), format!("{}.B.weight", t.key)]);
+            keys.extend(t.b_bias.as_ref().map(|_| format!("{}.B.bias", t.key)));
         }
         keys
     }
@@ -454,6 +479,21 @@ impl BasicTransformerBlock {
                 "context",
                 format!("is required: the block's cross-attention expects width {}", self.context_dim),
             ));
+        }
+        Ok(())
+    }
+
+    /// Checks the masks against `x` and `context` (already checked): [`crate::masks::check_mask`].
+    pub fn check_masks(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<()> {
+        let tokens = |t: &Tensor| dense_size(t).and_then(|s| Some((*s.first()?, *s.get(1)?))).unwrap_or((0, 0));
+        let (batch, queries) = tokens(x);
+        let keys = context.map_or(queries, |c| tokens(c).1);
+        let on = (self.device.0, self.device.1.as_str());
+        if let Some(m) = masks.attn1 {
+            check_mask("attention_mask", m, (batch, queries, queries), on)?;
+        }
+        if let Some(m) = masks.attn2 {
+            check_mask("encoder_attention_mask", m, (batch, queries, keys), on)?;
         }
         Ok(())
     }

@@ -15,6 +15,7 @@ use crate::block::{Attention, BlockConfig};
 use crate::error::{Error, Failure, Result};
 use crate::facts::version;
 use crate::failpoint::{self, Step};
+use crate::masks::Masks;
 use crate::ownership::{check_owned_by, Caller, NoGrad};
 
 #[repr(C)]
@@ -42,6 +43,8 @@ extern "C" {
         block: *const RawBlock,
         x: *const C_tensor,
         context: *const C_tensor,
+        mask1: *const C_tensor,
+        mask2: *const C_tensor,
         err: *mut c_char,
         len: usize,
     ) -> *mut C_tensor;
@@ -49,6 +52,8 @@ extern "C" {
         block: *const RawBlock,
         x: *const C_tensor,
         context: *const C_tensor,
+        mask1: *const C_tensor,
+        mask2: *const C_tensor,
         err: *mut c_char,
         len: usize,
     ) -> *mut C_tensor;
@@ -109,6 +114,12 @@ unsafe impl Sync for CppBlock {}
 impl CppBlock {
     /// Takes the weights by key (the caller validates them: see `BasicTransformerBlock::from_weights`).
     pub fn from_weights(weights: &[(String, Tensor)], cfg: &BlockConfig) -> Result<Self> {
+        if let Some(term) = cfg.lora.first() {
+            return Err(Error::config(format!(
+                "the C++ twin computes no LoRA terms ({} carries an adapter): use the Rust block (RustBlock)",
+                term.linear
+            )));
+        }
         let keys: Vec<CString> = weights
             .iter()
             .map(|(k, _)| CString::new(k.as_str()).map_err(|_| Error::config(format!("key {k:?} holds a NUL"))))
@@ -139,8 +150,15 @@ impl CppBlock {
 
     /// `forward(const at::Tensor& x, ...)`: out of place.
     pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
-        // SAFETY: `raw` is live; `x` and `context` outlive the call.
-        call(|err, len| unsafe { pe_cpp_forward(self.raw.as_ptr(), x.as_ptr(), opt(context), err, len) }).map(tensor)
+        self.forward_masked(x, context, Masks::NONE)
+    }
+
+    /// [`forward`](Self::forward) with attention masks ([`crate::masks`]; the caller checks them).
+    pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<Tensor> {
+        let (m1, m2) = (opt(masks.attn1), opt(masks.attn2));
+        // SAFETY: `raw` is live; `x`, `context` and the masks outlive the call.
+        call(|err, len| unsafe { pe_cpp_forward(self.raw.as_ptr(), x.as_ptr(), opt(context), m1, m2, err, len) })
+            .map(tensor)
     }
 
     /// `forward_owned(at::Tensor x, ...)`: `x` given up, residuals added into it, with the same
@@ -155,7 +173,7 @@ impl CppBlock {
     /// first write is read from `x`'s version counter, which every in-place write bumps; an
     /// inference tensor has none, and its failure is [`Failure::Consumed`], to be safe.
     pub fn try_forward_owned(&self, x: Tensor, context: Option<&Tensor>, no_grad: &NoGrad) -> Result<Tensor, Failure> {
-        self.forward_owned_by(x, context, no_grad, &Caller::RUST)
+        self.forward_owned_by(x, context, Masks::NONE, no_grad, &Caller::RUST)
     }
 
     /// [`try_forward_owned`](Self::try_forward_owned) for a given [`Caller`] (the Python glue).
@@ -163,6 +181,7 @@ impl CppBlock {
         &self,
         x: Tensor,
         context: Option<&Tensor>,
+        masks: Masks<'_>,
         _grad_off: &NoGrad,
         caller: &Caller,
     ) -> Result<Tensor, Failure> {
@@ -170,12 +189,14 @@ impl CppBlock {
             return Err(Failure::Unwritten(e, x));
         }
         let before = version(&x);
+        let (m1, m2) = (opt(masks.attn1), opt(masks.attn2));
         // SAFETY: as above; the C++ side takes a second handle on `*x` for the call, so `x` still
         // holds the buffer if it throws.
-        let result =
-            call(|err, len| unsafe { pe_cpp_forward_owned(self.raw.as_ptr(), x.as_ptr(), opt(context), err, len) })
-                .map(tensor)
-                .and_then(|y| failpoint::check(Step::AfterFirstWrite).map(|()| y)); // C++ has written by now
+        let result = call(|err, len| unsafe {
+            pe_cpp_forward_owned(self.raw.as_ptr(), x.as_ptr(), opt(context), m1, m2, err, len)
+        })
+        .map(tensor)
+        .and_then(|y| failpoint::check(Step::AfterFirstWrite).map(|()| y)); // C++ has written by now
         match result {
             Ok(y) => Ok(y),
             Err(e) if before >= 0 && version(&x) == before => Err(Failure::Unwritten(e, x)),

@@ -11,7 +11,9 @@ pub mod block;
 pub mod cpp;
 pub mod error;
 pub mod facts;
+pub mod masks;
 pub mod ownership;
+pub mod weights;
 
 // Test support, not API: the alias routes (run by tests/alias_routes.rs and, through the
 // extension, by the demo), fault injection for the transaction tests, and the small seeded blocks
@@ -28,6 +30,7 @@ pub mod testing;
 #[cfg(feature = "python")]
 mod python;
 
-pub use block::{AddInPlace, Attention, BasicTransformerBlock, BlockConfig};
+pub use block::{AddInPlace, Attention, BasicTransformerBlock, BlockConfig, LoraSpec};
 pub use error::{Error, Failure, Result};
+pub use masks::Masks;
 pub use ownership::NoGrad;

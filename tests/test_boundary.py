@@ -1013,7 +1013,7 @@ def leak_main() -> dict:
 
     def custom_op():
         with torch.no_grad():
-            return ops.block_forward(x, c, list(rust._weights), *rust._config, rust._slot, None)
+            return ops.block_forward(x, c, list(rust._weights), *rust._config.op_fields, rust._slot, None)
 
     kinds = {
         "forward": lambda: rust.forward(x, c),

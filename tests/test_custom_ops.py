@@ -42,7 +42,7 @@ def fresh_dynamo():
 
 def op_args(rust: RustBlock, x, context, autocast=None, requires_grad=False):
     weights = [w.detach().clone().requires_grad_(requires_grad) for w in rust._weights]
-    return (x, context, weights, *rust._config, rust._slot, autocast)
+    return (x, context, weights, *rust._config.op_fields, rust._slot, autocast)
 
 
 def ops_in(graph_module) -> list:
@@ -80,7 +80,7 @@ def test_backward_through_the_op_is_bitwise_the_eager_gradient():
     x, c = make_inputs(16)
     weights = [w.detach().clone().requires_grad_(True) for w in rust._weights]
     xo, co = x.clone().requires_grad_(True), c.clone().requires_grad_(True)
-    y = ops.block_forward(xo, co, weights, *rust._config, rust._slot, None)
+    y = ops.block_forward(xo, co, weights, *rust._config.op_fields, rust._slot, None)
     y.square().sum().backward()
     xe, ce = x.clone().requires_grad_(True), c.clone().requires_grad_(True)
     ye = rust(xe, ce)

@@ -303,25 +303,35 @@ def test_from_state_dict_follows_its_tensors_not_the_mapping():
 # ----------------------------------------------------------------------------------------- honest messages
 
 
-def test_a_peft_lora_layer_is_refused_with_its_qualified_class_and_only_true_causes():
+def test_a_peft_layer_it_does_not_compute_is_refused_with_its_qualified_class_and_only_true_causes():
+    """LoRA runs in Rust (tests/test_lora.py); LoHa, another peft tuner, is refused for its class,
+    named with its module, with no second-hand reasons about its parameters or widths; DoRA, a
+    LoRA variant, is refused with its one cause."""
     pytest.importorskip("peft", reason="needs the optional extra plusequals[diffusers]")
     pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
     from diffusers.models.attention import BasicTransformerBlock as DiffusersBlock
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import LoHaConfig, LoraConfig, inject_adapter_in_model
 
     from plusequals import swap_transformer_blocks
 
     block = DiffusersBlock(32, 4, 8, cross_attention_dim=24, activation_fn="geglu").eval()
-    inject_adapter_in_model(LoraConfig(r=4, target_modules=["attn1.to_q"]), block)
+    inject_adapter_in_model(LoHaConfig(r=4, target_modules=["attn1.to_q"]), block)
     with pytest.raises(ValueError) as info:
         RustBlock.from_torch(block)
     message = str(info.value)
-    assert "attn1.to_q is peft.tuners.lora.layer.Linear, not a plain nn.Linear" in message, message
+    assert "attn1.to_q is peft.tuners.loha.layer.Linear, not a plain nn.Linear" in message, message
     assert "normalises over" not in message and "missing" not in message and "does not use" not in message, message
-    assert message.count(";") == 0, message  # one cause: the LoRA layer
+    assert message.count(";") == 0, message  # one cause: the LoHa layer
 
     unet = nn.Module()
     unet.block = block
-    with pytest.raises(UnsupportedBlockError, match="peft.tuners.lora.layer.Linear") as info:
+    with pytest.raises(UnsupportedBlockError, match="peft.tuners.loha.layer.Linear") as info:
         swap_transformer_blocks(unet)
     assert "normalises over" not in str(info.value)
+
+    dora = DiffusersBlock(32, 4, 8, cross_attention_dim=24, activation_fn="geglu").eval()
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["attn1.to_q"], use_dora=True), dora)
+    with pytest.raises(ValueError) as info:
+        RustBlock.from_torch(dora.eval())
+    message = str(info.value)
+    assert "attn1.to_q adapter 'default' is DoRA (use_dora=True)" in message and message.count(";") == 0, message

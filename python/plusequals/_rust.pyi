@@ -2,7 +2,7 @@
 
 Checked against the built module by mypy's stubtest (tests/test_architecture.py)."""
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple, final
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, final
 
 from torch import Tensor
 
@@ -46,6 +46,7 @@ class Watch:
         sizes: List[Tuple[Dict[Any, Any], int]],
         empty: List[Dict[Any, Any]],
         keys: List[Tuple[Dict[Any, Any], List[Any]]],
+        lists: List[Tuple[List[Any], List[Any]]] = ...,
     ) -> Watch: ...
     def unchanged(self) -> bool: ...
 
@@ -73,10 +74,24 @@ class Block:
         gated_ff: bool = True,
         attention: str = "sdpa",
         language: str = "rust",
+        lora: Sequence[Tuple[str, int, float, bool]] = ...,
     ) -> Block: ...
-    def forward(self, x: Tensor, context: Optional[Tensor] = None, watch: Optional[Watch] = None) -> Tensor: ...
+    def forward(
+        self,
+        x: Tensor,
+        context: Optional[Tensor] = None,
+        watch: Optional[Watch] = None,
+        attention_mask: Optional[Tensor] = None,
+        encoder_attention_mask: Optional[Tensor] = None,
+    ) -> Tensor: ...
     def forward_owned(
-        self, x: Tensor, context: Optional[Tensor] = None, donate: bool = False, watch: Optional[Watch] = None
+        self,
+        x: Tensor,
+        context: Optional[Tensor] = None,
+        donate: bool = False,
+        watch: Optional[Watch] = None,
+        attention_mask: Optional[Tensor] = None,
+        encoder_attention_mask: Optional[Tensor] = None,
     ) -> Tensor: ...
     def echo(self, x: Tensor, context: Optional[Tensor] = None) -> Tensor: ...
     def donation_check(self, x: Tensor, context: Optional[Tensor] = None) -> None: ...

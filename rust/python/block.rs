@@ -9,12 +9,12 @@ use tch::Tensor;
 
 use super::donation::{check_dispatch_modes, check_donation, donate_into};
 use super::errors::to_py;
-use super::twins::{SharedBlock, Twins};
+use super::twins::{masks_of, SharedBlock, Twins};
 use super::watch::{check_watch, PyWatch};
 use crate::block::deep_copy;
 use crate::cpp::CppBlock;
 use crate::ownership::Caller;
-use crate::{BasicTransformerBlock, BlockConfig, NoGrad, Result};
+use crate::{BasicTransformerBlock, BlockConfig, LoraSpec, NoGrad, Result};
 
 /// The Rust `BasicTransformerBlock` (or, with `language="cpp"`, its C++ twin). Use it through
 /// `plusequals.RustBlock` / `plusequals.CppBlock`.
@@ -27,7 +27,7 @@ pub(super) struct PyBlock {
 impl PyBlock {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (weights, *, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa", language="rust"))]
+    #[pyo3(signature = (weights, *, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa", language="rust", lora=Vec::new()))]
     fn new(
         weights: HashMap<String, PyTensor>,
         dim: i64,
@@ -37,9 +37,12 @@ impl PyBlock {
         gated_ff: bool,
         attention: &str,
         language: &str,
+        lora: Vec<(String, i64, f64, bool)>,
     ) -> PyResult<Self> {
-        let cfg =
-            BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention: attention.parse().map_err(to_py)? };
+        let lora =
+            lora.into_iter().map(|(linear, rank, scaling, bias)| LoraSpec { linear, rank, scaling, bias }).collect();
+        let attention = attention.parse().map_err(to_py)?;
+        let cfg = BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention, lora };
         let mut weights: Vec<(String, Tensor)> = weights.into_iter().map(|(k, v)| (k, v.0)).collect();
         weights.sort_by(|a, b| a.0.cmp(&b.0));
         let cpp = match language {
@@ -53,24 +56,30 @@ impl PyBlock {
     }
 
     /// `op_plus_x` out of place; the GIL is released while libtorch computes. `watch`: see
-    /// [`PyWatch`].
-    #[pyo3(signature = (x, context=None, watch=None))]
+    /// [`PyWatch`]; the masks: see `crate::masks`.
+    #[pyo3(signature = (x, context=None, watch=None, attention_mask=None, encoder_attention_mask=None))]
     pub(super) fn forward(
         &self,
         py: Python<'_>,
         x: PyTensor,
         context: Option<PyTensor>,
         watch: Option<Bound<'_, PyWatch>>,
+        attention_mask: Option<PyTensor>,
+        encoder_attention_mask: Option<PyTensor>,
     ) -> PyResult<PyTensor> {
         check_watch(py, watch.as_ref())?;
         let (x, context) = (x.0, context.map(|c| c.0));
+        let masks = [attention_mask.map(|m| m.0), encoder_attention_mask.map(|m| m.0)];
         let block = &self.block;
-        py.allow_threads(move || block.get().forward(&x, context.as_ref())).map(PyTensor).map_err(to_py)
+        py.allow_threads(move || block.get().forward(&x, context.as_ref(), masks_of(&masks)))
+            .map(PyTensor)
+            .map_err(to_py)
     }
 
     /// In-place residuals with grad off. `donate=false` works on a copy of `x`;
     /// `donate=true` moves `x`'s buffer into the call, as a transaction: see [`donate`].
-    #[pyo3(signature = (x, context=None, donate=false, watch=None))]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (x, context=None, donate=false, watch=None, attention_mask=None, encoder_attention_mask=None))]
     pub(super) fn forward_owned(
         &self,
         py: Python<'_>,
@@ -78,20 +87,24 @@ impl PyBlock {
         context: Option<PyTensor>,
         donate: bool,
         watch: Option<Bound<'_, PyWatch>>,
+        attention_mask: Option<PyTensor>,
+        encoder_attention_mask: Option<PyTensor>,
     ) -> PyResult<PyTensor> {
         check_watch(py, watch.as_ref())?;
         let tensor = x.extract::<PyTensor>().map_err(|e| PyTypeError::new_err(format!("argument 'x': {e}")))?.0;
         let context = context.map(|c| c.0);
+        let masks = [attention_mask.map(|m| m.0), encoder_attention_mask.map(|m| m.0)];
         check_dispatch_modes(py).map_err(to_py)?;
         let block = &self.block;
         if donate {
-            return donate_into(py, block, x, tensor, context).map(PyTensor);
+            return donate_into(py, block, x, tensor, (context, masks)).map(PyTensor);
         }
         py.allow_threads(move || -> Result<Tensor> {
             let twins = block.get();
             let no_grad = NoGrad::new();
             let versions = twins.rust.weights_version();
-            Ok(twins.forward_owned(deep_copy(&tensor)?, context.as_ref(), &no_grad, &Caller::RUST, versions)?)
+            let args = (context.as_ref(), masks_of(&masks));
+            Ok(twins.forward_owned(deep_copy(&tensor)?, args, &no_grad, &Caller::RUST, versions)?)
         })
         .map(PyTensor)
         .map_err(to_py)

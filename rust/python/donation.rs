@@ -6,7 +6,7 @@ use pyo3::sync::GILOnceCell;
 use tch::Tensor;
 
 use super::errors::{to_py, DonationConsumed};
-use super::twins::SharedBlock;
+use super::twins::{masks_of, SharedBlock};
 use crate::error::{Alias, Failure};
 use crate::facts::{dispatch_modes, PyObjectPtr};
 use crate::ownership::{check_owned_by, Caller};
@@ -31,10 +31,12 @@ pub(super) fn donate_into(
     block: &SharedBlock,
     x: &Bound<'_, PyAny>,
     mut tensor: Tensor,
-    context: Option<Tensor>,
+    (context, masks): (Option<Tensor>, [Option<Tensor>; 2]),
 ) -> PyResult<Tensor> {
     let twins = block.get();
-    check_donation(py, &twins.rust, &tensor, context.as_ref()).map_err(|e| to_py(Error::Donation(Box::new(e))))?;
+    check_donation(py, &twins.rust, &tensor, context.as_ref())
+        .and_then(|()| twins.rust.check_masks(&tensor, context.as_ref(), masks_of(&masks)))
+        .map_err(|e| to_py(Error::Donation(Box::new(e))))?;
     let donated = donated_class(py, x)?;
     let original = x.get_type();
     let versions = twins.rust.weights_version();
@@ -53,7 +55,7 @@ pub(super) fn donate_into(
         // reaches the buffer since the move, so none can have been made.
         let none = |_: PyObjectPtr| 0;
         let caller = Caller { handles: 1, python_weakrefs: Some(&none) };
-        block.get().forward_owned(owned, context.as_ref(), &no_grad, &caller, versions)
+        block.get().forward_owned(owned, (context.as_ref(), masks_of(&masks)), &no_grad, &caller, versions)
     });
     match result {
         Ok(y) => Ok(y),

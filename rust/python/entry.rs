@@ -53,18 +53,13 @@ impl PyEntry {
 
     /// `Block.forward(x, context, watch)`, or `NotImplemented` where Python code could see it.
     #[pyo3(signature = (x, context=None))]
-    fn forward(
-        &self,
-        py: Python<'_>,
-        x: &Bound<'_, PyAny>,
-        context: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<PyObject> {
+    fn forward(&self, py: Python<'_>, x: &Bound<'_, PyAny>, context: Option<&Bound<'_, PyAny>>) -> PyResult<PyObject> {
         if !plain(py, x, context)? {
             return Ok(py.NotImplemented());
         }
         let context = context.map(|c| c.extract::<PyTensor>()).transpose()?;
         let watch = self.watch.as_ref().map(|w| w.bind(py).clone());
-        let y = self.block.get().forward(py, x.extract()?, context, watch)?;
+        let y = self.block.get().forward(py, x.extract()?, context, watch, None, None)?;
         Ok(y.into_pyobject(py)?.into_any().unbind())
     }
 
@@ -84,7 +79,7 @@ impl PyEntry {
         }
         let context = context.map(|c| c.extract::<PyTensor>()).transpose()?;
         let watch = self.watch.as_ref().map(|w| w.bind(py).clone());
-        let y = self.block.get().forward_owned(py, x, context, donate, watch)?;
+        let y = self.block.get().forward_owned(py, x, context, donate, watch, None, None)?;
         Ok(y.into_pyobject(py)?.into_any().unbind())
     }
 }

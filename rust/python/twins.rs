@@ -5,6 +5,7 @@ use tch::Tensor;
 use crate::block::deep_copy;
 use crate::cpp::CppBlock;
 use crate::error::Failure;
+use crate::masks::Masks;
 use crate::ownership::Caller;
 use crate::{BasicTransformerBlock, Error, NoGrad, Result};
 
@@ -28,16 +29,17 @@ impl Twins {
         Ok(out)
     }
 
-    pub(super) fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
-        self.guarded(|| self.forward_unguarded(x, context))
+    pub(super) fn forward(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<Tensor> {
+        self.guarded(|| self.forward_unguarded(x, context, masks))
     }
 
-    pub(super) fn forward_unguarded(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
+    pub(super) fn forward_unguarded(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<Tensor> {
         match &self.cpp {
-            None => self.rust.forward(x, context),
+            None => self.rust.forward_masked(x, context, masks),
             Some(cpp) => {
                 self.rust.check_inputs(x, context)?;
-                cpp.forward(x, context)
+                self.rust.check_masks(x, context, masks)?;
+                cpp.forward_masked(x, context, masks)
             }
         }
     }
@@ -48,17 +50,19 @@ impl Twins {
     pub(super) fn forward_owned(
         &self,
         x: Tensor,
-        context: Option<&Tensor>,
+        (context, masks): (Option<&Tensor>, Masks<'_>),
         no_grad: &NoGrad,
         caller: &Caller,
         versions: i64,
     ) -> Result<Tensor, Failure> {
         let y = match &self.cpp {
-            None => self.rust.forward_owned_by(x, context, no_grad, caller)?,
-            Some(cpp) => match self.rust.check_inputs(&x, context) {
-                Err(e) => return Err(Failure::Unwritten(e, x)),
-                Ok(()) => cpp.forward_owned_by(x, context, no_grad, caller)?, // C++ checks no alias: cpp.rs does
-            },
+            None => self.rust.forward_owned_by(x, context, masks, no_grad, caller)?,
+            Some(cpp) => {
+                match self.rust.check_inputs(&x, context).and_then(|()| self.rust.check_masks(&x, context, masks)) {
+                    Err(e) => return Err(Failure::Unwritten(e, x)),
+                    Ok(()) => cpp.forward_owned_by(x, context, masks, no_grad, caller)?, // C++ checks no alias: cpp.rs does
+                }
+            }
         };
         if self.rust.weights_version() != versions {
             return Err(Failure::Consumed(Error::WeightsChanged));
@@ -127,4 +131,10 @@ impl SharedBlock {
     pub(super) fn get(&self) -> &Twins {
         &self.0
     }
+}
+
+/// The masks of a call, borrowed from the tensors Python passed (`attention_mask`,
+/// `encoder_attention_mask`).
+pub(super) fn masks_of(masks: &[Option<Tensor>; 2]) -> Masks<'_> {
+    Masks { attn1: masks[0].as_ref(), attn2: masks[1].as_ref() }
 }

@@ -2,7 +2,7 @@
 
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyType};
+use pyo3::types::{PyDict, PyList, PyType};
 use pyo3::PyTraverseError;
 
 use super::errors::StaleBlock;
@@ -10,7 +10,8 @@ use super::errors::StaleBlock;
 /// What a reading of a module looked at (`plusequals.twin.watch.Watch`), compared in one pass at
 /// the start of every call that passes it, under the GIL: each noted value by identity in its
 /// dict, each module's exact class, each dict's size, hook dicts empty, and torch's global hook
-/// dicts holding the keys they held. A change raises `StaleBlock` before anything else runs.
+/// dicts holding the keys they held, and each watched list holding the items it held (PEFT's
+/// `merged_adapters`, a list of active adapters). A change raises `StaleBlock` before anything else runs.
 ///
 /// It holds the module's own objects (a RustBlock's watch holds the RustBlock), so it takes part
 /// in Python's garbage collection (`__traverse__`, `__clear__`) like any container.
@@ -21,20 +22,22 @@ pub(super) struct PyWatch {
     sizes: Vec<(Py<PyDict>, usize)>,
     empty: Vec<Py<PyDict>>,
     keys: Vec<(Py<PyDict>, Vec<Py<PyAny>>)>,
+    lists: Vec<(Py<PyList>, Vec<Py<PyAny>>)>,
 }
 
 #[pymethods]
 impl PyWatch {
     #[new]
-    #[pyo3(signature = (same, classes, sizes, empty, keys))]
+    #[pyo3(signature = (same, classes, sizes, empty, keys, lists=Vec::new()))]
     fn new(
         same: Vec<(Py<PyDict>, Py<PyAny>, Py<PyAny>)>,
         classes: Vec<(Py<PyAny>, Py<PyType>)>,
         sizes: Vec<(Py<PyDict>, usize)>,
         empty: Vec<Py<PyDict>>,
         keys: Vec<(Py<PyDict>, Vec<Py<PyAny>>)>,
+        lists: Vec<(Py<PyList>, Vec<Py<PyAny>>)>,
     ) -> Self {
-        PyWatch { same, classes, sizes, empty, keys }
+        PyWatch { same, classes, sizes, empty, keys, lists }
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
@@ -59,11 +62,17 @@ impl PyWatch {
                 visit.call(key)?;
             }
         }
+        for (l, items) in &self.lists {
+            visit.call(l)?;
+            for item in items {
+                visit.call(item)?;
+            }
+        }
         Ok(())
     }
 
     fn __clear__(&mut self) {
-        (self.same, self.classes, self.sizes, self.empty, self.keys) = Default::default();
+        (self.same, self.classes, self.sizes, self.empty, self.keys, self.lists) = Default::default();
     }
 
     /// Whether everything is as it was read (stops at the first difference). A cleared watch
@@ -94,6 +103,10 @@ impl PyWatch {
             && self.keys.iter().all(|(d, keys)| {
                 usize::try_from(size(d)) == Ok(keys.len())
                     && (keys.is_empty() || d.bind(py).iter().zip(keys).all(|((now, _), was)| now.is(was)))
+            })
+            && self.lists.iter().all(|(l, items)| {
+                let l = l.bind(py);
+                l.len() == items.len() && l.iter().zip(items).all(|(now, was)| now.is(was))
             })
     }
 }

@@ -16,13 +16,45 @@ The Rust twin (``rust/block.rs``) reads line for line against this file.
 from __future__ import annotations
 
 import copy
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 ATTENTIONS = ("sdpa", "einsum")
+
+
+class Masks(NamedTuple):
+    """The attention masks of one call, with diffusers' semantics (``attn1``: diffusers'
+    ``attention_mask``, keys are ``x``'s tokens; ``attn2``: ``encoder_attention_mask``, keys are
+    the context's tokens). Each is an additive bias (floating: diffusers' UNet makes
+    ``(1 - mask) * -10000.0`` of a 0/1 or boolean ``(batch, key_tokens)`` mask, with a singleton
+    query dimension, before its blocks see it) or a boolean mask (True: attend), of shape
+    ``(batch, key_tokens)`` or ``(batch, 1 or query_tokens, key_tokens)``. The Rust block
+    (``rust/masks.rs``) and the C++ twin read line for line against :func:`per_head` and
+    :func:`add_mask`."""
+
+    attn1: Optional[Tensor] = None
+    attn2: Optional[Tensor] = None
+
+
+NO_MASKS = Masks()
+
+
+def per_head(mask: Tensor, b: int, h: int) -> Tensor:
+    """diffusers' ``prepare_attention_mask`` (repeated per head over the batch) and the view before
+    SDPA: ``(b, [1 or q,] k) -> (b * h, [1 or q,] k) -> (b, h, 1 or q, k)``."""
+    return mask.repeat_interleave(h, dim=0, output_size=b * h).view(b, h, -1, mask.shape[-1])
+
+
+def add_mask(sim: Tensor, mask: Tensor) -> Tensor:
+    """``sim + mask`` for the einsum path: a boolean mask becomes the bias SDPA makes of it (0 where
+    True, -inf where False)."""
+    if mask.dtype == torch.bool:
+        bias = torch.zeros_like(mask).to(sim.dtype).masked_fill(mask.logical_not(), float("-inf"))
+        return sim + bias
+    return sim + mask
 
 
 class CrossAttention(nn.Module):
@@ -54,7 +86,7 @@ class CrossAttention(nn.Module):
         self.to_v = nn.Linear(context_dim, inner_dim, bias=False)
         self.to_out = nn.Sequential(nn.Linear(inner_dim, query_dim), nn.Dropout(dropout))
 
-    def forward(self, x: Tensor, context: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, context: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> Tensor:
         h = self.heads
         q = self.to_q(x)
         context = x if context is None else context
@@ -62,10 +94,14 @@ class CrossAttention(nn.Module):
         v = self.to_v(context)
         b, n, inner = q.shape
         d = inner // h
+        mask = None if mask is None else per_head(mask, b, h)
         if self.attention == "einsum":
             # 'b n (h d) -> (b h) n d'
             q, k, v = (t.reshape(b, -1, h, d).permute(0, 2, 1, 3).reshape(b * h, -1, d) for t in (q, k, v))
             sim = torch.einsum("b i d, b j d -> b i j", q, k) * self.scale
+            if mask is not None:
+                # '(b h) 1|i j' against sim's '(b h) i j'
+                sim = add_mask(sim, mask.flatten(0, 1))
             attn = sim.softmax(dim=-1)
             out = torch.einsum("b i j, b j d -> b i d", attn, v)
             # '(b h) n d -> b n (h d)'
@@ -73,7 +109,7 @@ class CrossAttention(nn.Module):
         else:
             # 'b n (h d) -> b h n d'
             q, k, v = (t.reshape(b, -1, h, d).transpose(1, 2) for t in (q, k, v))
-            out = F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             out = out.transpose(1, 2).reshape(b, n, h * d)
         return self.to_out(out)
 
@@ -113,80 +149,82 @@ class FeedForward(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def op_plus_x(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor]) -> Tensor:
+def op_plus_x(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS) -> Tensor:
     """``x = op(norm(x)) + x``: the CompVis original, and the default."""
-    x = b.attn1(b.norm1(x)) + x
-    x = b.attn2(b.norm2(x), context=context) + x
+    x = b.attn1(b.norm1(x), mask=masks.attn1) + x
+    x = b.attn2(b.norm2(x), context=context, mask=masks.attn2) + x
     x = b.ff(b.norm3(x)) + x
     return x
 
 
-def x_plus_op(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor]) -> Tensor:
+def x_plus_op(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS) -> Tensor:
     """``x = x + op(norm(x))``: the same sum with the operands swapped (does the order matter?)."""
-    x = x + b.attn1(b.norm1(x))
-    x = x + b.attn2(b.norm2(x), context=context)
+    x = x + b.attn1(b.norm1(x), mask=masks.attn1)
+    x = x + b.attn2(b.norm2(x), context=context, mask=masks.attn2)
     x = x + b.ff(b.norm3(x))
     return x
 
 
-def iadd(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor]) -> Tensor:
+def iadd(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS) -> Tensor:
     """``x += op(norm(x))``: the 2022 "Speedup from switch to +=" commit (~7%, 1.57 -> 1.69 it/s).
 
     Mutates the caller's tensor, and overwrites the input that each ``norm`` saved for backward.
     """
-    x += b.attn1(b.norm1(x))
-    x += b.attn2(b.norm2(x), context=context)
+    x += b.attn1(b.norm1(x), mask=masks.attn1)
+    x += b.attn2(b.norm2(x), context=context, mask=masks.attn2)
     x += b.ff(b.norm3(x))
     return x
 
 
-def iadd_clone(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor]) -> Tensor:
+def iadd_clone(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS) -> Tensor:
     """``x += op(norm(x.clone()))``: how the commit was re-landed after it broke training.
 
     The norms now save a clone, so autograd is satisfied; the first ``+=`` still writes into
     the caller's tensor.
     """
-    x += b.attn1(b.norm1(x.clone()))
-    x += b.attn2(b.norm2(x.clone()), context=context)
+    x += b.attn1(b.norm1(x.clone()), mask=masks.attn1)
+    x += b.attn2(b.norm2(x.clone()), context=context, mask=masks.attn2)
     x += b.ff(b.norm3(x.clone()))
     return x
 
 
-def first_out_of_place(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor]) -> Tensor:
+def first_out_of_place(
+    b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS
+) -> Tensor:
     """First line ``x = x + op(norm(x))``, the other two ``+=``: the caller's tensor is safe,
     since ``x`` is a fresh tensor after the first line."""
-    x = x + b.attn1(b.norm1(x))
-    x += b.attn2(b.norm2(x), context=context)
+    x = x + b.attn1(b.norm1(x), mask=masks.attn1)
+    x += b.attn2(b.norm2(x), context=context, mask=masks.attn2)
     x += b.ff(b.norm3(x))
     return x
 
 
-def copy_iadd(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor]) -> Tensor:
+def copy_iadd(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS) -> Tensor:
     """``x = copy.copy(x)`` and then ``+=``: a Python-level copy of the tensor *object*.
 
     Whether ``copy.copy`` copies the data is answered by tests/test_bugs.py.
     """
     x = copy.copy(x)
-    x += b.attn1(b.norm1(x))
-    x += b.attn2(b.norm2(x), context=context)
+    x += b.attn1(b.norm1(x), mask=masks.attn1)
+    x += b.attn2(b.norm2(x), context=context, mask=masks.attn2)
     x += b.ff(b.norm3(x))
     return x
 
 
-def preallocated(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor]) -> Tensor:
+def preallocated(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS) -> Tensor:
     """Residual sums written with ``out=`` into one buffer the module keeps between calls.
 
     No allocation for the residual stream, and no autograd (``out=`` does not record); the
     returned tensor *is* the buffer, so the next call overwrites it.
     """
     out = b.residual_buffer(x)
-    torch.add(b.attn1(b.norm1(x)), x, out=out)
-    torch.add(b.attn2(b.norm2(out), context=context), out, out=out)
+    torch.add(b.attn1(b.norm1(x), mask=masks.attn1), x, out=out)
+    torch.add(b.attn2(b.norm2(out), context=context, mask=masks.attn2), out, out=out)
     torch.add(b.ff(b.norm3(out)), out, out=out)
     return out
 
 
-Strategy = Callable[["BasicTransformerBlock", Tensor, Optional[Tensor]], Tensor]
+Strategy = Callable[..., Tensor]  # (block, x, context, masks=NO_MASKS) -> Tensor
 
 STRATEGIES: dict[str, Strategy] = {
     f.__name__: f for f in (op_plus_x, x_plus_op, iadd, iadd_clone, first_out_of_place, copy_iadd, preallocated)
@@ -273,13 +311,27 @@ class BasicTransformerBlock(nn.Module):
     def attention(self) -> str:
         return self.attn1.attention
 
-    def forward(self, x: Tensor, context: Optional[Tensor] = None, residual: Optional[str] = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        context: Optional[Tensor] = None,
+        residual: Optional[str] = None,
+        *,
+        attention_mask: Optional[Tensor] = None,
+        encoder_attention_mask: Optional[Tensor] = None,
+    ) -> Tensor:
+        """``attention_mask`` (self-attention) and ``encoder_attention_mask`` (cross-attention):
+        see :class:`Masks`."""
         residual = self.residual if residual is None else _check_strategy(residual)
+        masks = Masks(attention_mask, encoder_attention_mask)
         inputs = (x,) if context is None else (x, context)
-        return checkpoint(lambda *xs: self._forward(*xs, residual=residual), inputs, self.parameters(), self.checkpoint)
+        run = lambda *xs: self._forward(*xs, residual=residual, masks=masks)  # noqa: E731
+        return checkpoint(run, inputs, self.parameters(), self.checkpoint)
 
-    def _forward(self, x: Tensor, context: Optional[Tensor] = None, *, residual: str = "op_plus_x") -> Tensor:
-        return STRATEGIES[residual](self, x, context)
+    def _forward(
+        self, x: Tensor, context: Optional[Tensor] = None, *, residual: str = "op_plus_x", masks: Masks = NO_MASKS
+    ) -> Tensor:
+        return STRATEGIES[residual](self, x, context, masks)
 
     def residual_buffer(self, like: Tensor) -> Tensor:
         """The buffer ``preallocated`` writes into, reallocated when shape, dtype or device change."""

@@ -9,6 +9,7 @@ is :meth:`RustBlock._ensure_current` (shared with the swap's replacement, a subc
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -57,12 +58,26 @@ def _refuse_grad(x: Tensor, context: Optional[Tensor]) -> None:
                 )
 
 
+def _masks(attention_mask: object, encoder_attention_mask: object) -> Dict[str, Tensor]:
+    """The masks given (tensors, not donated ones), by the Rust block's keyword names."""
+    masks = {}
+    for name, m in (("attention_mask", attention_mask), ("encoder_attention_mask", encoder_attention_mask)):
+        _check_tensor(name, m, optional=True)
+        if m is not None:
+            masks[name] = m
+    return masks
+
+
 class RustBlock(nn.Module):
     """The Rust ``BasicTransformerBlock`` on the same weights as a PyTorch one, as a torch module.
 
     * ``forward(x, context=None)``: out of place (``op_plus_x``); differentiable.
     * ``forward_owned(x, context=None, donate=False)``: residuals added in place, grad off;
       the caller's tensor is never mutated unless it is donated.
+
+    Both take ``attention_mask`` and ``encoder_attention_mask`` (keywords; diffusers' semantics:
+    :class:`plusequals.model.blocks.Masks`), in eager calls on plain tensors; where the custom
+    ops would run (tracing, FakeTensor, modes, subclasses) masks are refused.
 
     Made with :meth:`from_torch`, it takes over the PyTorch block's submodules (``norm1``,
     ``attn1``, ..., the same objects: no copies), so its ``parameters()`` and ``state_dict()``
@@ -95,6 +110,7 @@ class RustBlock(nn.Module):
         self._guards: List[tuple] = []  # what a traced call compares (torch.compile guards on it)
         self._trust: Optional[str] = None  # from_torch(trust=...): see there
         self._probe_pending = False  # unknown classes not yet probed in the current state
+        self._lora_layers: Tuple[str, ...] = ()  # peft LoRA layers in the last reading: never traced
         self._entry: Any = None  # the hot path's entry into Rust (_rebind)
         self._rebind()
 
@@ -193,6 +209,7 @@ class RustBlock(nn.Module):
         """Reads the followed block again. A submodule replaced on the block is taken over
         (one replaced here is kept); a reason to refuse raises ``error``. ``traced``: at trace
         time (the parameters may be fake tensors), only what a traced call needs is kept."""
+        self._entry = None  # the hot path is off until _ensure_current has finished (_rebind)
         source = self._source
         for name in CHILDREN:
             now = source._modules.get(name)
@@ -204,22 +221,20 @@ class RustBlock(nn.Module):
         )
         if reading.reasons:
             self._reading = None
-            self._rebind()
             raise error(
                 f"{self._where()}: the Rust block cannot reproduce this block exactly: {'; '.join(reading.reasons)}. "
                 "It computes the SD v1 block (see plusequals.twin.faithful) and calls no submodule."
             )
         self._config = reading.spec._replace(language=self.LANGUAGE)
+        self._lora_layers = reading.lora_layers
         self._paths = reading.paths
         self._guards = [(obj, name, value, not isinstance(value, _SCALARS)) for obj, name, value in reading.watch.attrs]
         if traced:
             self._reading = None  # the next eager call reads again, on the real parameters
-            self._rebind()
             return
         self._reading = reading
         self._weights = tuple(reading.weights())
         self._probe_pending = bool(reading.unknown)
-        self._rebind()
 
     def _ensure_current(self, error: type = UnsupportedBlockError) -> None:
         """The eager check before each call (module docstring): a few microseconds when nothing changed."""
@@ -233,18 +248,18 @@ class RustBlock(nn.Module):
         if not self._twin.fresh(weights, self._config):
             inner, self._device = validated_inner(dict(zip(self._config.keys, weights)), self._config)
             self._twin.set(inner, weights, self._config)
-            self._rebind()
             self._probe_pending = bool(self._reading and self._reading.unknown)  # a new dtype or device: again
         if self._probe_pending and can_probe(weights[0]):
             reason = probe(self._source, self._twin.inner.forward, self._config, weights[0])
             if reason:
                 classes = ", ".join(self._reading.unknown)
                 self._reading = None
-                self._rebind()
+                self._entry = None
                 raise error(
                     f"{self._where()}: the block's classes ({classes}) are not ones this crate knows, and {reason}"
                 )
             self._probe_pending = False
+        self._rebind()  # read, built and probed: the hot path may call it
 
     @torch.compiler.assume_constant_result
     def _check_for_trace(self) -> int:
@@ -264,6 +279,13 @@ class RustBlock(nn.Module):
                 now = getattr(obj, name, None)
                 if (now is not value) if by_identity else (now != value):
                     raise UnsupportedBlockError(f"{self._where()}: {type(obj).__name__}.{name} changed while traced")
+            if self._lora_layers:  # merged or disabled too: a traced graph would not see them change
+                raise UnsupportedBlockError(
+                    f"{self._where()}: a block with LoRA adapters ({', '.join(self._lora_layers)}) cannot be traced "
+                    "(torch.compile, torch.export, FakeTensor) or run under a mode or with tensor subclasses: the "
+                    "custom ops take the base weights only; call it eagerly on plain tensors, or remove the adapters "
+                    "(merge_and_unload, unload_lora)"
+                )
             return [self.get_parameter(path) for path in self._paths]
         if self._weights is None:
             raise RuntimeError(
@@ -272,12 +294,18 @@ class RustBlock(nn.Module):
             )
         return list(self._weights)
 
-    def _op_args(self, x: Tensor, context: Optional[Tensor]) -> tuple:
+    def _op_args(self, x: Tensor, context: Optional[Tensor], masks: Optional[Dict[str, Tensor]] = None) -> tuple:
+        if masks:
+            raise UnsupportedBlockError(
+                f"{self._where()}: {' and '.join(masks)} cannot be traced (torch.compile, torch.export, FakeTensor) "
+                "or run under a mode or with tensor subclasses: the custom ops take no masks; call it eagerly on "
+                "plain tensors"
+            )
         weights = self._traced_weights()
         for name, t in (("x", x), ("context", context)):  # the fake implementations see no device
             if isinstance(t, Tensor) and t.device != weights[0].device:
                 raise ValueError(f"{name} is on {t.device} but the block's weights are on {weights[0].device}")
-        return (x, context, weights, *self._config, self._slot, autocast_dtype(x))
+        return (x, context, weights, *self._config.op_fields, self._slot, autocast_dtype(x))
 
     # -- the entry points -----------------------------------------------------------------------
 
@@ -302,25 +330,47 @@ class RustBlock(nn.Module):
             kwargs["watch"] = self._reading.watch.rust
         return getattr(self._twin.inner, method)(*args, **kwargs)
 
-    def forward(self, x: Tensor, context: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        context: Optional[Tensor] = None,
+        *,
+        attention_mask: Optional[Tensor] = None,
+        encoder_attention_mask: Optional[Tensor] = None,
+    ) -> Tensor:
         """``x = op(norm(x)) + x`` three times, in Rust; ``x`` is only read."""
-        entry = self._entry
-        if entry is not None and not _is_compiling():
-            try:
-                y = entry.forward(x, context)  # the hot path: see _rebind
-            except _rust.StaleBlock:
-                y = NotImplemented  # the module changed: the full path reads it again
-            if y is not NotImplemented:
-                return y
-        if torch.compiler.is_compiling() or symbolic(x, context):
-            return ops.block_forward(*self._op_args(x, context))
+        if attention_mask is None and encoder_attention_mask is None:
+            entry = self._entry
+            if entry is not None and not _is_compiling():
+                try:
+                    y = entry.forward(x, context)  # the hot path: see _rebind
+                except _rust.StaleBlock:
+                    y = NotImplemented  # the module changed: the full path reads it again
+                if y is not NotImplemented:
+                    return y
+        masks = (
+            {}
+            if attention_mask is None and encoder_attention_mask is None
+            else _masks(attention_mask, encoder_attention_mask)
+        )
+        if torch.compiler.is_compiling() or symbolic(x, context) or (masks and symbolic(*_pair(masks))):
+            return ops.block_forward(*self._op_args(x, context, masks))
         _check_tensor("x", x)
         _check_tensor("context", context, optional=True)
-        if seen_by_python(x, context, dispatch_modes=False):
-            return ops.block_forward(*self._op_args(x, context))
-        return run_under_saved_tensor_hooks(self._call, "forward", x, context)
+        if seen_by_python(x, context, dispatch_modes=False) or (masks and _seen(masks, dispatch_modes=False)):
+            return ops.block_forward(*self._op_args(x, context, masks))
+        call = functools.partial(self._call, **masks) if masks else self._call
+        return run_under_saved_tensor_hooks(call, "forward", x, context)
 
-    def forward_owned(self, x: Tensor, context: Optional[Tensor] = None, donate: bool = False) -> Tensor:
+    def forward_owned(
+        self,
+        x: Tensor,
+        context: Optional[Tensor] = None,
+        donate: bool = False,
+        *,
+        attention_mask: Optional[Tensor] = None,
+        encoder_attention_mask: Optional[Tensor] = None,
+    ) -> Tensor:
         """``x += op(norm(x))`` three times, in Rust, with grad mode off.
 
         ``donate=False``: works on a copy; the caller's ``x`` is unchanged.
@@ -330,15 +380,17 @@ class RustBlock(nn.Module):
         """
         if not isinstance(donate, bool):
             raise TypeError(f"donate must be a bool, got {type(donate).__name__} {donate!r}")
-        entry = self._entry
-        if entry is not None and not _is_compiling():
-            try:
-                y = entry.forward_owned(x, context, donate)  # the hot path (grad off): see _rebind
-            except _rust.StaleBlock:
-                y = NotImplemented  # refused before anything moved: the full path reads the module again
-            if y is not NotImplemented:
-                return y
-        traced = torch.compiler.is_compiling() or symbolic(x, context)
+        if attention_mask is None and encoder_attention_mask is None:
+            entry = self._entry
+            if entry is not None and not _is_compiling():
+                try:
+                    y = entry.forward_owned(x, context, donate)  # the hot path (grad off): see _rebind
+                except _rust.StaleBlock:
+                    y = NotImplemented  # refused before anything moved: the full path reads the module again
+                if y is not NotImplemented:
+                    return y
+        masks = _masks(attention_mask, encoder_attention_mask)
+        traced = torch.compiler.is_compiling() or symbolic(x, context) or (bool(masks) and symbolic(*_pair(masks)))
         _check_tensor("x", x)
         _check_tensor("context", context, optional=True)
         _refuse_grad(x, context)
@@ -349,23 +401,25 @@ class RustBlock(nn.Module):
                     "tensor is invalidated in Python, which a graph cannot express; pass donate=False (the compiler "
                     "may still reuse the buffer)"
                 )
-            return self._donate(x, context)
+            return self._donate(x, context, masks)
         if traced:
-            args = self._op_args(x, context)
+            args = self._op_args(x, context, masks)
             y = x.clone(memory_format=torch.contiguous_format)
             ops.block_forward_owned_(y, *args[1:])
             return y
-        if seen_by_python(x, context, dispatch_modes=True):
+        if seen_by_python(x, context, dispatch_modes=True) or (masks and _seen(masks, dispatch_modes=True)):
             # The same values, without an in-place op for Python code to see x in (a subclass's
             # __torch_dispatch__ would apply it once per inner tensor, into one x).
             with torch.no_grad():
-                return ops.block_forward(*self._op_args(x, context))
-        return self._call("forward_owned", x, context, donate=False)
+                return ops.block_forward(*self._op_args(x, context, masks))
+        return self._call("forward_owned", x, context, donate=False, **masks)
 
-    def _donate(self, x: Tensor, context: Optional[Tensor]) -> Tensor:
+    def _donate(self, x: Tensor, context: Optional[Tensor], masks: Dict[str, Tensor]) -> Tensor:
         """``forward_owned(x, donate=True)``: what only Python can see is refused here (modes,
         subclasses whose Python code the Rust ops would bypass); Rust checks ownership, moves the
         buffer and marks ``x`` donated, as one transaction (rust/python/donation.rs, ``donate_into``)."""
+        if masks and _seen(masks, dispatch_modes=True):
+            self._op_args(x, context, masks)  # raises: no custom op takes masks
         refused = why_not_donatable(x, context)
         if refused:
             arg, why, message, modes = refused
@@ -376,7 +430,7 @@ class RustBlock(nn.Module):
                 modes=modes,
             )
         cls = type(x)
-        y = self._call("forward_owned", x, context, donate=True)
+        y = self._call("forward_owned", x, context, donate=True, **masks)
         if not converts_results(cls):
             return y
         # Tensor's __torch_function__ converts results to the subclass: so does the donation,
@@ -433,3 +487,12 @@ class CppBlock(RustBlock):
 
 
 _SCALARS = (int, float, str, bool, tuple, type(None))
+
+
+def _pair(masks: Dict[str, Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    return masks.get("attention_mask"), masks.get("encoder_attention_mask")
+
+
+def _seen(masks: Dict[str, Tensor], dispatch_modes: bool) -> bool:
+    """Whether Python code must see a call with these masks (a subclass, a mode): see ``seen_by_python``."""
+    return seen_by_python(*_pair(masks), dispatch_modes=dispatch_modes)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Tuple
 
-__all__ = ["BlockConfig", "rust_keys"]
+__all__ = ["BlockConfig", "lora_keys", "rust_keys"]
 
 
 class BlockConfig(NamedTuple):
@@ -19,11 +19,28 @@ class BlockConfig(NamedTuple):
     gated_ff: bool
     attention: str  # "sdpa" or "einsum"
     language: str = "rust"  # "rust" (rust/block.rs) or "cpp" (cpp/block.cpp)
+    # The PEFT LoRA terms on the linear layers (rust/block.rs, LoraSpec): (linear's CompVis key,
+    # rank, scaling, whether lora_B has a bias), in the order they are added. Not a custom-op
+    # argument: a block with LoRA terms is refused where the custom ops would run.
+    lora: Tuple[Tuple[str, int, float, bool], ...] = ()
 
     @property
     def keys(self) -> Tuple[str, ...]:
-        """The weights' CompVis keys, in the order the custom ops take them."""
-        return rust_keys(self.gated_ff)
+        """The weights' CompVis keys, in the order the custom ops take them, then the LoRA terms'."""
+        return rust_keys(self.gated_ff) + lora_keys(self.lora)
+
+    @property
+    def op_fields(self) -> tuple:
+        """The fields the custom ops take, in their order (all but ``lora``)."""
+        return tuple(self)[:7]
+
+
+def lora_keys(lora: Tuple[Tuple[str, int, float, bool], ...]) -> Tuple[str, ...]:
+    """The LoRA terms' weights by key (``{linear}.lora.{i}.A.weight``, ``.B.weight``, ``.B.bias``)."""
+    keys = []
+    for i, (linear, _, _, bias) in enumerate(lora):
+        keys += [f"{linear}.lora.{i}.A.weight", f"{linear}.lora.{i}.B.weight"] + ([f"{linear}.lora.{i}.B.bias"] * bias)
+    return tuple(keys)
 
 
 def rust_keys(gated_ff: bool) -> Tuple[str, ...]:

@@ -11,8 +11,10 @@ three times, with
 
 * LayerNorm (``nn.LayerNorm`` itself) over the last dimension, eps ``1e-5``, with affine weight and bias;
 * attention with one head count for ``attn1`` and ``attn2``, bias-free q/k/v projections, an
-  output projection with a bias, softmax scale ``d_head ** -0.5`` and no mask; in diffusers,
-  the default processor (``AttnProcessor2_0`` or ``AttnProcessor``) and none of its options;
+  output projection with a bias, softmax scale ``d_head ** -0.5`` (masks are call arguments:
+  :class:`plusequals.model.blocks.Masks`); in diffusers, one of :data:`SUPPORTED_PROCESSORS` and
+  none of its options;
+* each linear layer an ``nn.Linear``, or PEFT's LoRA layer on one (:mod:`plusequals.twin.lora`);
 * a feed-forward of width ``4 * dim``: GEGLU with the exact GELU (SD v1), or a linear layer and
   the exact GELU (``nn.GELU()``, diffusers' ``activation_fn="gelu"``), then a linear layer with a bias;
 * every ``nn.Dropout`` at ``p == 0``, or in eval mode (where dropout is the identity);
@@ -46,18 +48,22 @@ from torch import nn
 
 from ..model import blocks
 from .config import BlockConfig, rust_keys
+from .lora import base_of, is_lora, read_lora
+from .probe import PROBE_BOUND, can_probe, probe
 from .watch import Watch, class_name, global_hook_kinds
 
-__all__ = ["CHILDREN", "Reading", "TRUST", "can_probe", "probe", "read_block"]
+__all__ = ["CHILDREN", "PROBE_BOUND", "Reading", "TRUST", "can_probe", "probe", "read_block"]
 
 #: The six submodules of a block, in diffusers' registration order (the CompVis order differs;
 #: state_dict keys are the same).
 CHILDREN = ("norm1", "attn1", "norm2", "attn2", "norm3", "ff")
 
-#: Processors whose semantics the Rust block reproduces: unmasked softmax(q k^T / sqrt(d)) v, no
+#: Processors whose semantics the Rust block reproduces: softmax(q k^T / sqrt(d) + mask) v, no
 #: dropout. AttnProcessor2_0 is diffusers' default under torch 2; AttnProcessor is the same maths
-#: without SDPA (it honours ``attn.scale`` and upcasting, which are checked separately).
-SUPPORTED_PROCESSORS = ("AttnProcessor2_0", "AttnProcessor")
+#: without SDPA (it honours ``attn.scale`` and upcasting, which are checked separately), and
+#: SlicedAttnProcessor is AttnProcessor's maths a slice of the batch at a time (the Rust block
+#: ignores the slice size: it only bounds memory).
+SUPPORTED_PROCESSORS = ("AttnProcessor2_0", "AttnProcessor", "SlicedAttnProcessor")
 
 #: What ``read_block`` (and ``RustBlock.from_torch``) may be told to trust: nothing beyond the
 #: classes it knows (None), or classes it does not know, once a probe agrees ("probe").
@@ -76,6 +82,7 @@ class Reading:
     reasons: List[str]
     watch: Watch
     unknown: Tuple[str, ...]  # classes this module does not know (then the probe runs)
+    lora_layers: Tuple[str, ...] = ()  # the paths of peft LoRA layers (twin/lora.py), active or not
 
     def weights(self) -> List[torch.Tensor]:
         return [owner._parameters[name] for owner, name in self.slots]
@@ -112,6 +119,10 @@ def _known_classes() -> set:
         blocks.FeedForward,
         blocks.GEGLU,
     }
+    if "peft.tuners.lora.layer" in sys.modules:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+
+        known |= {LoraLinear, nn.ModuleDict, nn.ParameterDict, nn.Identity}
     if "diffusers.models.attention" in sys.modules:
         attention, processor, activations = _diffusers_modules()
         known |= {
@@ -131,6 +142,12 @@ class _Reader:
         self.reasons: List[str] = []
         self.slots: Dict[str, Tuple[nn.Module, str, str]] = {}  # rust key -> (owner, name, path)
         self.refused: List[str] = []  # module paths refused for their class: their parameters say nothing more
+        # PEFT LoRA (twin/lora.py): the layers' paths, the parameters they account for, the dropouts
+        # they read themselves, and the terms (BlockConfig.lora)
+        self.wrapped: List[str] = []
+        self.accounted: set = set()
+        self.skip_dropouts: set = set()
+        self.lora: List[Tuple[str, int, float, bool]] = []
 
     def no(self, reason: str) -> None:
         self.reasons.append(reason)
@@ -166,7 +183,10 @@ class _Reader:
             self.no(f"{name} has eps={eps!r}; the Rust block uses {LAYER_NORM_EPS}")
 
     def linear(self, lin: Any, name: str, bias: bool, key: Optional[str] = None) -> bool:
-        """Checks a plain nn.Linear and notes its slots (``key``: its Rust name, when it differs)."""
+        """Checks a plain nn.Linear, or PEFT's LoRA layer on one, and notes its slots (``key``: its
+        Rust name, when it differs)."""
+        if is_lora(lin):
+            return read_lora(self, lin, name, bias, key or name)
         if type(lin) is not nn.Linear:
             self.no(
                 f"{name} is {class_name(lin)}, not a plain nn.Linear (LoRA/PEFT or quantised layers are not supported)"
@@ -230,15 +250,19 @@ class _Reader:
             kinds = self.w.hooks_of(m)
             if kinds:
                 self.no(f"{path} has {', '.join(kinds)}, which the Rust block would bypass")
-            if isinstance(m, nn.Dropout) and type(m) is nn.Dropout:
+            if id(m) in self.skip_dropouts:
+                pass  # a LoRA adapter's dropout: twin/lora.py reads the active ones
+            elif isinstance(m, nn.Dropout) and type(m) is nn.Dropout:
                 self.dropout_p(m, path)
             elif isinstance(m, nn.modules.dropout._DropoutNd) and m.p != 0 and m.training:
                 self.no(f"{path} is {class_name(m)} with p={m.p} in training mode")
             params += [f"{path}.{n}" for n, p in m._parameters.items() if p is not None]
             buffers += [f"{path}.{n}" for n, b in m._buffers.items() if b is not None]
         explained = tuple(f"{path}." for path in self.refused)
-        extra = [p for p in params if p not in expected and not p.startswith(explained)]
-        missing = [p for p in expected if p not in params and not p.startswith(explained)]
+        wrapped = tuple(f"{path}." for path in self.wrapped)  # their base layers' slots are the parameters
+        used = {path for _, _, path in self.slots.values()} | self.accounted
+        extra = [p for p in params if p not in expected and p not in used and not p.startswith(explained)]
+        missing = [p for p in expected if p not in params and not p.startswith(explained + wrapped)]
         more = lambda names: f" (and {len(names) - 4} more)" if len(names) > 4 else ""  # noqa: E731
         if extra:
             self.no(f"parameters the Rust block does not use: {', '.join(extra[:4])}{more(extra)}")
@@ -249,13 +273,15 @@ class _Reader:
 
     def result(self, spec: Optional[BlockConfig], unknown: Tuple[str, ...] = ()) -> Reading:
         slots, paths = [], []
+        if spec is not None:
+            spec = spec._replace(lora=tuple(self.lora))
         if spec is not None and not self.reasons:
             for key in spec.keys:
                 owner, name, path = self.slots[key]
                 slots.append((owner, name))
                 paths.append(path)
         reasons = list(dict.fromkeys(self.reasons))  # a dropout is seen by its slot and by the tree walk
-        return Reading(spec, tuple(slots), tuple(paths), reasons, self.w.seal(), unknown)
+        return Reading(spec, tuple(slots), tuple(paths), reasons, self.w.seal(), unknown, tuple(self.wrapped))
 
 
 def _not_a_block(block: Any, why: str) -> TypeError:
@@ -305,7 +331,7 @@ def _heads_and_scale(r: _Reader, attn1: Any, attn2: Any) -> Tuple[Optional[int],
     if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0:
         r.no(f"attn1.heads is {heads!r}, not a positive int")
         return None, None, None
-    to_q = r.child(attn1, "to_q")
+    to_q = base_of(r.child(attn1, "to_q"))
     if type(to_q) is not nn.Linear:
         return None, heads, None  # the linear check names it
     # Not watched: a Linear's forward reads only its weight (whose shape the build checks).
@@ -412,7 +438,7 @@ def _read_compvis(r: _Reader, trust: Optional[str]) -> Reading:
         _attention_projections(r, attn, name)
     gated = _feed_forward(r, ff, dim, (blocks.GEGLU,), (), duck=True)
     context_dim = None
-    to_k = attn2._modules.get("to_k")
+    to_k = base_of(attn2._modules.get("to_k"))
     if type(to_k) is nn.Linear:
         context_dim = to_k.in_features
     for name in ("norm1", "norm2", "norm3"):
@@ -476,14 +502,14 @@ def _read_diffusers(r: _Reader, block: nn.Module) -> Reading:
     if None not in (dim, heads, d_head):
         inner = heads * d_head
         for name, attn in (("attn1", attn1), ("attn2", attn2)):
-            to_k, to_v = attn._modules.get("to_k"), attn._modules.get("to_v")
+            to_k, to_v = base_of(attn._modules.get("to_k")), base_of(attn._modules.get("to_v"))
             if (
                 type(to_k) is nn.Linear
                 and type(to_v) is nn.Linear
                 and (to_k.out_features, to_v.out_features) != (inner, inner)
             ):
                 r.no(f"{name}.to_k/to_v do not project to {inner} (grouped or multi-query attention)")
-        to_k = attn1._modules.get("to_k")
+        to_k = base_of(attn1._modules.get("to_k"))
         if type(to_k) is nn.Linear and to_k.in_features != dim:
             r.no(f"attn1 is meant to be self-attention but its keys read width {to_k.in_features}")
     ff = kids["ff"]
@@ -496,7 +522,8 @@ def _read_diffusers(r: _Reader, block: nn.Module) -> Reading:
         r.layer_norm(kids[name], name, dim)
     expected = tuple(k.replace("ff.net.0.0.", "ff.net.0.proj.") for k in rust_keys(bool(gated)))
     r.tree(expected)
-    context_dim = attn2.to_k.in_features if type(attn2._modules.get("to_k")) is nn.Linear else None
+    to_k2 = base_of(attn2._modules.get("to_k"))
+    context_dim = to_k2.in_features if type(to_k2) is nn.Linear else None
     spec = None
     if None not in (dim, heads, d_head, gated):
         spec = BlockConfig(dim, heads, d_head, context_dim, bool(gated), "sdpa")
@@ -541,43 +568,3 @@ def _diffusers_attention(r: _Reader, attn: Any, name: str, processor_mod) -> Non
     factor = w.get(attn, "rescale_output_factor", 1.0)
     if factor != 1.0:
         r.no(f"{name}.rescale_output_factor is {factor}, not 1")
-
-
-# --------------------------------------------------------------------------------------------
-# The probe: for classes this module does not know
-# --------------------------------------------------------------------------------------------
-
-PROBE_BOUND = 1e-5  # the parity bar (README): ||a - b|| / ||b||, fp32 and fp64
-
-
-def can_probe(weight: torch.Tensor) -> bool:
-    """Whether the probe can run on weights like ``weight``: not on the meta device (no values),
-    and only in fp32 or fp64 (where :data:`PROBE_BOUND` is the parity bar)."""
-    return weight.device.type != "meta" and weight.dtype in (torch.float32, torch.float64)
-
-
-def probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tensor) -> Optional[str]:
-    """Runs ``block`` and the Rust block on one small seeded input and returns the reason they
-    differ (None: they agree within :data:`PROBE_BOUND`). Only where :func:`can_probe`."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 5, spec.dim, generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
-    c = torch.randn(2, 3, spec.context_dim or spec.dim, generator=g, dtype=torch.float64).to(
-        weight.device, weight.dtype
-    )
-    with torch.no_grad():
-        try:
-            expected = block(x, c)
-        except Exception as e:  # noqa: BLE001  (reported as the reason)
-            return f"its forward raised {type(e).__name__} on a probe input: {e}"
-        got = rust_forward(x, c)
-    if not isinstance(expected, torch.Tensor) or expected.shape != got.shape:
-        return (
-            f"its forward returns {type(expected).__name__} {getattr(expected, 'shape', '')}, not a tensor of x's shape"
-        )
-    err = ((got.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
-    if not err <= PROBE_BOUND:
-        return (
-            f"its output differs from the Rust block's by {err:.3g} (||a-b||/||b||, bound {PROBE_BOUND}) on a "
-            "probe input: its forward does not compute the CompVis block"
-        )
-    return None

@@ -233,7 +233,9 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad: Tensor):
     x, context, *weights = ctx.saved_tensors
     need_x, need_context, need_weights = ctx.needs
-    grads = block_backward(grad, x, context, weights, *ctx.config, ctx.autocast, need_x, need_context, need_weights)
+    grads = block_backward(
+        grad, x, context, weights, *ctx.config.op_fields, ctx.autocast, need_x, need_context, need_weights
+    )
     gx = grads[0] if need_x else None
     gc = grads[1] if need_context else None
     gw = [g if n else None for g, n in zip(grads[2:], need_weights)]

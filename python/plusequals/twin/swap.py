@@ -15,8 +15,10 @@ submodules (``norm1, attn1, norm2, attn2, norm3, ff``) under the same names, so 
 ``state_dict`` keys, ``parameters()``, ``attn_processors`` and ``.to()`` behave as before; it
 rebuilds its Rust twin whenever the parameters it was built on change identity, storage, dtype
 or device (``.to()``, ``.half()``, ``load_state_dict(assign=True)``), and refuses to run once
-something it cannot honour appears (a non-default attention processor, PEFT/LoRA layers
-injected into the projections, ...): the same mechanism as ``RustBlock.from_torch``. What
+something it cannot honour appears (an IP-Adapter processor, a DoRA adapter, LoRA dropout in
+training, ...): the same mechanism as ``RustBlock.from_torch``. It takes diffusers' masks
+(``attention_mask``, ``encoder_attention_mask``) and runs peft LoRA adapters in Rust; what runs and
+what is refused is the README's drop-in section. What
 counts as "the SD v1 kind" is :mod:`plusequals.twin.faithful`, shared with ``RustBlock.from_torch``.
 
 diffusers is optional: this module imports it only when a function needs it.
@@ -138,12 +140,10 @@ class RustTransformerBlock(RustBlock):
         # timestep, class_labels and added_cond_kwargs are read only by the ada-norm kinds;
         # diffusers' block of the layer_norm kind ignores them, and so does this one.
         where = self._where()
-        if attention_mask is not None:
-            raise UnsupportedBlockError(f"{where}: attention_mask is not supported by the Rust block (pass None)")
-        if encoder_attention_mask is not None:
-            raise UnsupportedBlockError(
-                f"{where}: encoder_attention_mask is not supported by the Rust block (pass None)"
-            )
+        masks = {"attention_mask": attention_mask, "encoder_attention_mask": encoder_attention_mask}
+        for (name, mask), attn in zip(masks.items(), ("attn1", "attn2")):
+            if isinstance(mask, Tensor) and (mask.dtype == torch.bool or mask.dim() == 2):
+                self._check_mask_for_processor(name, mask, attn)
         if cross_attention_kwargs:
             raise UnsupportedBlockError(
                 f"{where}: cross_attention_kwargs {sorted(cross_attention_kwargs)} are not supported by the Rust block "
@@ -152,8 +152,24 @@ class RustTransformerBlock(RustBlock):
         if kwargs:
             raise TypeError(f"{where}: unexpected keyword arguments {sorted(kwargs)}")
         if self.owned and not torch.is_grad_enabled():
-            return RustBlock.forward_owned(self, hidden_states, encoder_hidden_states, donate=False)
-        return RustBlock.forward(self, hidden_states, encoder_hidden_states)
+            return RustBlock.forward_owned(self, hidden_states, encoder_hidden_states, donate=False, **masks)
+        return RustBlock.forward(self, hidden_states, encoder_hidden_states, **masks)
+
+    def _check_mask_for_processor(self, name: str, mask: Tensor, attn: str) -> None:
+        """A boolean mask is SDPA's (True: attend), and a (batch, keys) one is viewed per head, under
+        AttnProcessor2_0, which the Rust block reproduces. AttnProcessor and SlicedAttnProcessor hand
+        the mask to ``torch.baddbmm`` as a bias broadcast against (batch * heads, queries, keys):
+        it raises on a boolean one and reads a 2-d one as (queries, keys). Refused here, before
+        anything runs; diffusers' UNet passes neither (a (batch, 1, keys) float bias)."""
+        processor = type(getattr(self._modules.get(attn), "processor", None)).__name__
+        if processor == "AttnProcessor2_0":
+            return
+        what = "a boolean mask" if mask.dtype == torch.bool else "2-d (batch, keys)"
+        raise UnsupportedBlockError(
+            f"{self._where()}: {name} is {what}, which {attn}'s {processor} cannot take as diffusers' other "
+            "processors do (its torch.baddbmm needs a floating (batch, 1 or queries, keys) bias: diffusers' UNet "
+            "passes (1 - mask) * -10000.0 with a query dimension)"
+        )
 
     def set_chunk_feed_forward(self, chunk_size: Optional[int], dim: int = 0) -> None:
         if chunk_size is not None:
@@ -267,8 +283,8 @@ def swap_transformer_blocks(model: nn.Module, *, owned: bool = False) -> SwapHan
             f"swap_transformer_blocks refused {n_bad} of {len(sites)} BasicTransformerBlock(s); nothing was swapped. "
             "Only what the Rust block reproduces exactly is supported (plusequals.twin.faithful: LayerNorm norms, "
             "bias-free "
-            "q/k/v, a GEGLU or exact-GELU feed-forward, the default attention processor, no active dropout, masks, "
-            "ada-norm, positional embeddings or hooks):\n" + "\n".join(refusals)
+            "q/k/v (plain or PEFT LoRA), a GEGLU or exact-GELU feed-forward, AttnProcessor2_0, AttnProcessor or "
+            "SlicedAttnProcessor, no active dropout, ada-norm, positional embeddings or hooks):\n" + "\n".join(refusals)
         )
 
     # 2. Replace.

@@ -91,6 +91,7 @@ class Watch:
         "modules",
         "classes",
         "globals",
+        "lists",
         "rust",
         "_seen",
         "_lseen",
@@ -110,6 +111,7 @@ class Watch:
         self.modules: List[nn.Module] = []  # every module read, and its exact class
         self.classes: List[type] = []
         self.globals: List[dict] = list(_global_hooks().values())
+        self.lists: List[Tuple[list, List[Any]]] = []  # lists whose items are watched (PEFT's merged_adapters)
         self.rust: Any = None  # the Rust watch, made by seal()
         # (object, name, value) of every non-tensor value: what a traced forward compares, so
         # that torch.compile guards on it (tensors reach the custom op as arguments instead).
@@ -135,8 +137,26 @@ class Watch:
             self.vdicts.append(d)
             self.vkeys.append(key)
             self.values.append(value)
-            self.attrs.append((obj, key, value))
+            if obj is not None:  # an entry of a plain dict (PEFT's scaling) is no attribute to guard on
+                self.attrs.append((obj, key, value))
         return value
+
+    def entry(self, d: dict, key: str) -> Any:
+        """``d.get(key)`` of a plain dict (PEFT's ``scaling``, ``use_dora``), noted: a value set
+        again or a key added or removed is a change."""
+        if not isinstance(d, dict):
+            return None
+        self._sized(d)
+        if key in d:
+            return self._note(d, key, d[key], None)
+        return None
+
+    def items(self, lst: list) -> list:
+        """Notes the items of ``lst`` (by identity, in order): an item appended, popped or replaced
+        is a change (PEFT's ``merged_adapters``, which merge and unmerge change in place)."""
+        if isinstance(lst, list):
+            self.lists.append((lst, list(lst)))
+        return lst
 
     def module(self, m: nn.Module) -> None:
         """Notes ``m``'s exact class and the sizes of its submodule, parameter and buffer dicts."""
@@ -202,6 +222,7 @@ class Watch:
             sizes=list(zip(self.ldicts, self.lens)),
             empty=self.hook_dicts,
             keys=[(d, list(d)) for d in self.globals],
+            lists=self.lists,
         )
         self._seen = self._lseen = self._mseen = set()
         return self

@@ -1,0 +1,129 @@
+"""PEFT LoRA on the Rust block's linear layers: what :func:`plusequals.twin.faithful.read_block`
+reads of a ``peft.tuners.lora.layer.Linear`` (peft 0.21.2) in place of an ``nn.Linear``.
+
+PEFT's forward (``lora.Linear.forward``), which the Rust block reproduces (``rust/block.rs``,
+``Linear::forward``) on PEFT's own tensors:
+
+* adapters disabled: ``base_layer(x)`` (PEFT first unmerges merged adapters, writing the base
+  weight inside its forward: that is refused, naming the cause);
+* an adapter merged (``merged_adapters`` not empty): ``base_layer(x)``, whose weight holds the
+  merged deltas (merge and unmerge write it in place, which the Rust block sees live);
+* otherwise ``base_layer(x)``, then for each active adapter that the layer has, in order,
+  ``result + lora_B(lora_A(dropout(x))) * scaling``: a LoRA term of the Rust block
+  (:attr:`plusequals.twin.config.BlockConfig.lora`).
+
+What the reading looks at is watched (:class:`plusequals.twin.watch.Watch`): the active adapters,
+``_disable_adapters``, the items of ``merged_adapters``, each active adapter's ``scaling`` entry,
+``use_dora`` and ``lora_variant`` entries, its dropout's ``p`` and ``training``, and the modules
+and parameters of ``lora_A``/``lora_B``; a change (``set_adapter``, ``enable_adapters``,
+``merge``, ``unmerge``, ``set_scale``, ``scale_layer``, ``delete_adapter``, ``.train()``) reads
+the block again. Refused, naming the cause: DoRA and the other LoRA variants, dropout with p > 0
+in training mode, a base layer that is not an ``nn.Linear``, and parameters the Rust block does
+not use (``lora_embedding_A``, ...). A leaf: imports nothing of the package but ``watch``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+from typing import Any, Optional
+
+from torch import nn
+
+from .watch import class_name
+
+__all__ = ["base_of", "is_lora", "read_lora"]
+
+
+def _lora_linear() -> Optional[type]:
+    """peft's ``lora.Linear``, when peft is imported (a LoRA layer can only exist then)."""
+    layer = sys.modules.get("peft.tuners.lora.layer")
+    return getattr(layer, "Linear", None)
+
+
+def is_lora(m: Any) -> bool:
+    """Whether ``m`` is exactly peft's ``lora.Linear``."""
+    cls = _lora_linear()
+    return cls is not None and type(m) is cls
+
+
+def base_of(m: Any) -> Any:
+    """The ``nn.Linear`` a PEFT LoRA layer wraps (``m`` itself when it wraps none)."""
+    if is_lora(m):
+        base = m._modules.get("base_layer")
+        if type(base) is nn.Linear:
+            return base
+    return m
+
+
+def read_lora(r: Any, lin: nn.Module, name: str, bias: bool, key: str) -> bool:
+    """Reads the LoRA layer ``lin`` at ``name`` (``key``: its linear's CompVis key) with the
+    reader ``r`` (``faithful._Reader``): its base layer as the linear itself, then the LoRA terms
+    PEFT's forward would add now (module docstring). Returns whether the base layer passed."""
+    base = r.child(lin, "base_layer")
+    if type(base) is not nn.Linear:
+        r.no(f"{name} is a PEFT LoRA layer on {class_name(base)}, not on a plain nn.Linear")
+        r.refused.append(name)
+        return False
+    r.wrapped.append(name)
+    if not r.linear(base, f"{name}.base_layer", bias, key=key):
+        return False
+    modules = {part: r.child(lin, part) for part in ("lora_A", "lora_B", "lora_dropout")}
+    # Every adapter's weights are the layer's own, used or not (DoRA's magnitudes: refused when active)
+    for part in ("lora_A", "lora_B", "lora_magnitude_vector"):
+        for adapter, m in getattr(lin, part, nn.ModuleDict())._modules.items():
+            r.accounted.update(f"{name}.{part}.{adapter}.{p}" for p in m._parameters)
+    r.skip_dropouts.update(id(m) for m in modules["lora_dropout"].modules())
+    w = r.w
+    disabled = w.get(lin, "_disable_adapters")
+    merged = w.items(w.get(lin, "merged_adapters"))
+    if disabled:
+        if merged:
+            r.no(
+                f"{name} has its adapters disabled while {list(merged)} are merged: PEFT's forward would unmerge "
+                "them (writing the base weight) before it runs; call unmerge() (unfuse_lora) first"
+            )
+        return True
+    if merged:
+        return True  # PEFT: base_layer(x), whose weight holds the merged deltas
+    active = w.get(lin, "_active_adapter")
+    for adapter in [active] if isinstance(active, str) else list(w.items(active)):
+        if w.get(modules["lora_A"], adapter) is not None:
+            _term(r, lin, name, key, adapter, modules)
+    return True
+
+
+def _term(r: Any, lin: nn.Module, name: str, key: str, adapter: str, modules: dict) -> None:
+    """One active adapter of ``lin``: a LoRA term, or the reason it is refused."""
+    w = r.w
+    where = f"{name} adapter {adapter!r}"
+    variant = w.entry(w.get(lin, "lora_variant"), adapter)
+    if variant is not None or w.entry(w.get(lin, "use_dora"), adapter):
+        kind = "DoRA (use_dora=True)" if w.entry(w.get(lin, "use_dora"), adapter) else class_name(variant)
+        r.no(f"{where} is {kind}, a LoRA variant: the Rust block computes plain LoRA only")
+        return
+    dropout = w.get(modules["lora_dropout"], adapter)
+    if type(dropout) is nn.Dropout:
+        r.dropout_p(dropout, f"{name}.lora_dropout.{adapter}")
+    elif type(dropout) is not nn.Identity:
+        r.no(f"{name}.lora_dropout.{adapter} is {class_name(dropout)}, not nn.Dropout or nn.Identity")
+    scaling = w.entry(w.get(lin, "scaling"), adapter)
+    if not isinstance(scaling, numbers.Real) or isinstance(scaling, bool):
+        r.no(f"{where} has scaling {scaling!r}, not a number")
+        return
+    a, b = w.get(modules["lora_A"], adapter), w.get(modules["lora_B"], adapter)
+    if type(a) is not nn.Linear or type(b) is not nn.Linear:
+        r.no(f"{where}: lora_A/lora_B are {class_name(a)}/{class_name(b)}, not nn.Linear")
+        return
+    i = len(r.lora)
+    term = f"{key}.lora.{i}"
+    weight = r.param(a, "weight", f"{name}.lora_A.{adapter}.weight", f"{term}.A.weight")
+    r.param(b, "weight", f"{name}.lora_B.{adapter}.weight", f"{term}.B.weight")
+    b_bias = r.param(b, "bias", f"{name}.lora_B.{adapter}.bias", f"{term}.B.bias") is not None
+    if r.param(a, "bias", f"{name}.lora_A.{adapter}.bias") is not None:
+        r.no(f"{name}.lora_A.{adapter} has a bias; PEFT's lora_A has none")
+        return
+    if weight is None:
+        r.no(f"{name}.lora_A.{adapter} has no weight")
+        return
+    r.lora.append((key, int(weight.shape[0]), float(scaling), b_bias))

@@ -1,0 +1,65 @@
+//! The state_dict a block is built from: [`Weights`], which hands each weight out once, by key,
+//! checking its shape and that all of them share one dtype and device.
+
+use std::collections::HashMap;
+
+use tch::{Kind, Tensor};
+
+use crate::error::{Error, Result};
+use crate::facts::{dense_size, device, device_name};
+
+/// A name → tensor map (a state_dict) from which modules take their weights by key.
+///
+/// Every take checks the shape; [`Weights::finish`] rejects keys nobody took.
+pub struct Weights {
+    map: HashMap<String, Tensor>,
+    /// The dtype and device of the first weight taken (its device as `facts::device` codes it,
+    /// and as torch names it), which every other weight must share.
+    first: Option<(Kind, i64, String)>,
+}
+
+impl Weights {
+    pub fn new(map: HashMap<String, Tensor>) -> Self {
+        Weights { map, first: None }
+    }
+
+    /// Takes `prefix.name`, checking its shape and that all weights share one dtype and device.
+    pub fn take(&mut self, prefix: &str, name: &str, shape: &[i64]) -> Result<Tensor> {
+        let key = format!("{prefix}.{name}");
+        let t = self.map.remove(&key).ok_or_else(|| Error::MissingWeight(key.clone()))?;
+        let got = dense_size(&t).ok_or_else(|| Error::WeightType {
+            key: key.clone(),
+            got: "a tensor without a dense shape (nested, sparse, ...)".to_string(),
+            expected: "dense tensors".to_string(),
+        })?;
+        if got != shape {
+            return Err(Error::WeightShape { key, expected: shape.to_vec(), got });
+        }
+        let (kind, device) = (t.f_kind()?, device(&t).ok_or_else(|| Error::MissingWeight(key.clone()))?);
+        let (first_kind, first_device, first_name) = self.first.get_or_insert_with(|| (kind, device, device_name(&t)));
+        if (*first_kind, *first_device) != (kind, device) {
+            return Err(Error::WeightType {
+                key,
+                got: format!("{kind:?} on {}", device_name(&t)),
+                expected: format!("{first_kind:?} on {first_name}"),
+            });
+        }
+        Ok(t)
+    }
+
+    /// Errors on the first key (in sorted order) that no module took.
+    pub fn finish(self) -> Result<(Kind, i64, String)> {
+        let mut extra: Vec<_> = self.map.into_keys().collect();
+        extra.sort();
+        if let Some(key) = extra.into_iter().next() {
+            return Err(Error::UnexpectedWeight(key));
+        }
+        match self.first {
+            Some((kind, device, name)) if matches!(kind, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double) => {
+                Ok((kind, device, name))
+            }
+            Some((kind, ..)) => Err(Error::config(format!("the weights are {kind:?}, not a floating-point dtype"))),
+            None => Err(Error::config("the block has no weights".to_string())),
+        }
+    }
+}

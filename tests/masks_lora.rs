@@ -1,0 +1,128 @@
+//! Issue 26 on the Rust side: attention masks (`Masks`, diffusers' semantics) and PEFT LoRA terms
+//! (`BlockConfig::lora`) in the Rust block; the C++ twin's masks; errors, not panics.
+#![allow(clippy::disallowed_methods)] // tests use tch as its users do: a panic fails the test
+
+use std::collections::HashMap;
+
+use plusequals::cpp::CppBlock;
+use plusequals::testing::{small_config, small_inputs, small_weights, Normal};
+use plusequals::{Attention, BasicTransformerBlock, BlockConfig, Error, LoraSpec, Masks};
+use tch::{Device, Kind, Tensor};
+
+fn block(attention: Attention) -> BasicTransformerBlock {
+    BasicTransformerBlock::from_weights(small_weights(0).expect("weights"), &small_config(attention)).expect("block")
+}
+
+fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    let d = (a - b).norm().double_value(&[]);
+    d / b.norm().double_value(&[]).max(1e-30)
+}
+
+#[test]
+fn masks_follow_diffusers_semantics_in_both_attention_paths() -> plusequals::Result<()> {
+    let (x, c) = small_inputs()?; // x (2, 16, 32), context (2, 7, 24)
+    let zero = Tensor::zeros([2, 1, 7], (Kind::Float, Device::Cpu));
+    let keep = Tensor::ones([2, 7], (Kind::Bool, Device::Cpu));
+    let _ = keep.narrow(1, 0, 3).fill_(0);
+    let bias = (keep.to_kind(Kind::Float).neg() + 1.0) * -10000.0; // the UNet's (1 - mask) * -10000
+    let mut outs = Vec::new();
+    for attention in [Attention::Sdpa, Attention::Einsum] {
+        let b = block(attention);
+        let plain = b.forward(&x, Some(&c))?;
+        let zeroed = b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&zero) })?;
+        assert!(rel_err(&zeroed, &plain) <= 1e-6, "a zero bias changes nothing");
+        let by_bool = b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&keep) })?;
+        let by_bias = b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&bias.unsqueeze(1)) })?;
+        assert!(rel_err(&by_bool, &plain) > 1e-3, "hiding keys changes the output");
+        assert!(rel_err(&by_bool, &by_bias) <= 1e-5, "-10000 and a boolean mask hide the same keys");
+        outs.push(by_bool);
+    }
+    assert!(rel_err(&outs[0], &outs[1]) <= 1e-5, "sdpa and einsum agree on masks");
+    Ok(())
+}
+
+#[test]
+fn the_cpp_twin_computes_the_same_masked_block() -> plusequals::Result<()> {
+    let (x, c) = small_inputs()?;
+    let mask = Tensor::ones([2, 16, 16], (Kind::Bool, Device::Cpu)).tril(0); // causal, per query
+    for attention in [Attention::Sdpa, Attention::Einsum] {
+        let cfg = small_config(attention);
+        let mut w: Vec<(String, Tensor)> = small_weights(0)?.into_iter().collect();
+        w.sort_by(|a, b| a.0.cmp(&b.0));
+        let cpp = CppBlock::from_weights(&w, &cfg)?;
+        let masks = Masks { attn1: Some(&mask), attn2: None };
+        let rust = block(attention).forward_masked(&x, Some(&c), masks)?;
+        assert!(cpp.forward_masked(&x, Some(&c), masks)?.equal(&rust), "the same ops in the same order");
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_masks_are_errors_naming_the_argument() -> plusequals::Result<()> {
+    let b = block(Attention::Sdpa);
+    let (x, c) = small_inputs()?;
+    let f = |shape: &[i64], kind: Kind| Tensor::zeros(shape, (kind, Device::Cpu));
+    let cases = [
+        (f(&[2, 15], Kind::Float), true, "attention_mask expected shape (2, 16) or (2, 1 or 16, 16)"),
+        (f(&[2, 3, 7], Kind::Float), false, "encoder_attention_mask expected shape (2, 7) or (2, 1 or 16, 7)"),
+        (f(&[2, 7], Kind::Int64), false, "encoder_attention_mask dtype Int64 is neither bool nor floating point"),
+    ];
+    for (mask, first, want) in cases {
+        let masks =
+            if first { Masks { attn1: Some(&mask), attn2: None } } else { Masks { attn1: None, attn2: Some(&mask) } };
+        let err = b.forward_masked(&x, Some(&c), masks).expect_err(want);
+        assert!(matches!(err, Error::Input { .. }) && err.to_string().contains(want), "{err} should say {want:?}");
+    }
+    Ok(())
+}
+
+/// A LoRA term on `attn1.to_q` and on `ff.net.2`: the same as the block whose weights have the
+/// deltas merged (`W + scaling * B @ A`, what PEFT's merge writes).
+#[test]
+fn lora_terms_equal_the_merged_weights() -> plusequals::Result<()> {
+    let mut n = Normal::new(7);
+    let specs = [("attn1.to_q", 32, 32, 3, 0.75, false), ("ff.net.2", 128, 32, 2, 2.0, true)];
+    let mut weights = small_weights(0)?;
+    let mut merged: HashMap<String, Tensor> = small_weights(0)?;
+    let mut lora = Vec::new();
+    for (i, (linear, d_in, d_out, rank, scaling, bias)) in specs.into_iter().enumerate() {
+        let (a, b) = (n.tensor(&[rank, d_in], 0.3)?, n.tensor(&[d_out, rank], 0.3)?);
+        let w = &merged[&format!("{linear}.weight")] + b.matmul(&a) * scaling;
+        merged.insert(format!("{linear}.weight"), w);
+        weights.insert(format!("{linear}.lora.{i}.A.weight"), a);
+        weights.insert(format!("{linear}.lora.{i}.B.weight"), b);
+        if bias {
+            let b_bias = n.tensor(&[d_out], 0.3)?;
+            let key = format!("{linear}.bias");
+            merged.insert(key.clone(), &merged[&key] + &b_bias * scaling);
+            weights.insert(format!("{linear}.lora.{i}.B.bias"), b_bias);
+        }
+        lora.push(LoraSpec { linear: linear.to_string(), rank, scaling, bias });
+    }
+    let cfg = BlockConfig { lora, ..small_config(Attention::Sdpa) };
+    let (x, c) = small_inputs()?;
+    let with_lora = BasicTransformerBlock::from_weights(weights, &cfg)?.forward(&x, Some(&c))?;
+    let reference =
+        BasicTransformerBlock::from_weights(merged, &small_config(Attention::Sdpa))?.forward(&x, Some(&c))?;
+    let plain = block(Attention::Sdpa).forward(&x, Some(&c))?;
+    assert!(rel_err(&with_lora, &reference) <= 1e-5, "{}", rel_err(&with_lora, &reference));
+    assert!(rel_err(&with_lora, &plain) > 1e-3, "the terms change the output");
+    Ok(())
+}
+
+#[test]
+fn lora_weights_are_taken_by_key_and_the_cpp_twin_refuses_them() -> plusequals::Result<()> {
+    let spec = LoraSpec { linear: "attn2.to_k".into(), rank: 2, scaling: 1.0, bias: false };
+    let cfg = BlockConfig { lora: vec![spec], ..small_config(Attention::Sdpa) };
+    let err = BasicTransformerBlock::from_weights(small_weights(0)?, &cfg).err();
+    assert!(matches!(err, Some(Error::MissingWeight(k)) if k == "attn2.to_k.lora.0.A.weight"));
+    let mut w = small_weights(0)?;
+    w.insert("attn2.to_k.lora.0.A.weight".into(), Tensor::zeros([2, 23], (Kind::Float, Device::Cpu)));
+    w.insert("attn2.to_k.lora.0.B.weight".into(), Tensor::zeros([32, 2], (Kind::Float, Device::Cpu)));
+    let err = BasicTransformerBlock::from_weights(w, &cfg).err();
+    assert!(matches!(err, Some(Error::WeightShape { key, .. }) if key == "attn2.to_k.lora.0.A.weight"));
+    let w: Vec<(String, Tensor)> = small_weights(0)?.into_iter().collect();
+    let err = CppBlock::from_weights(&w, &cfg).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("the C++ twin computes no LoRA terms"), "{err}");
+    Ok(())
+}

@@ -1,0 +1,341 @@
+"""PEFT LoRA through the Rust block (issue 26), on peft's and diffusers' own classes.
+
+The Rust block computes ``base(x) + lora_B(lora_A(x)) * scaling`` per active adapter on PEFT's
+tensors, the ops PEFT's ``lora.Linear.forward`` calls in the same order: outputs and gradients are
+asserted equal bit for bit against the library's block *on the same modules* (the reference is the
+PEFT-carrying block itself, called after the Rust block read it). The adapters' state is then
+changed the ways PEFT and diffusers change it (set_adapter, enable/disable, merge/unmerge, scales,
+train/eval with dropout), in generated sequences: every call after a change either equals the
+library's output in that state or is refused naming the cause; the oracle of which is PEFT's
+public state, not the reader's.
+"""
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from conftest import randomize_, rel_err
+from plusequals import BasicTransformerBlock, CppBlock, RustBlock, RustTransformerBlock, UnsupportedBlockError
+from plusequals.audit.cases import TINY_UNET
+
+peft = pytest.importorskip("peft", reason="needs the optional extra plusequals[diffusers]")
+diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
+from diffusers.models.attention import BasicTransformerBlock as DiffusersBlock  # noqa: E402
+from peft import LoraConfig, inject_adapter_in_model  # noqa: E402
+from peft.tuners.lora.layer import LoraLayer  # noqa: E402
+
+DIM, HEADS, D_HEAD, CTX = 32, 4, 8, 24
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj", "net.2"]  # every linear of the block
+SLOW = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+class Holder(nn.Module):
+    """What PEFT injects into: a model holding the block."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+
+def add_adapter(block, name, seed, **config):
+    """peft initialises the adapter from the global generator: seeded here, and left as it was."""
+    config = {"r": 4, "lora_alpha": 8, "target_modules": TARGETS, "init_lora_weights": False, **config}
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        inject_adapter_in_model(LoraConfig(**config), Holder(block), adapter_name=name)
+    return block
+
+
+def lora_block(seed=0, **config):
+    with torch.random.fork_rng():  # nn.Linear's initialisation draws from the global generator: left as it was
+        block = randomize_(DiffusersBlock(DIM, HEADS, D_HEAD, cross_attention_dim=CTX), seed).eval()
+    return add_adapter(block, "a", seed + 1, **config).eval()  # peft makes the adapter's dropouts in training mode
+
+
+def layers(block):
+    return [m for m in block.modules() if isinstance(m, LoraLayer)]
+
+
+def inputs(seed=2, batch=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 5, DIM, generator=g), torch.randn(batch, 4, CTX, generator=g)
+
+
+def call(module, x, c):
+    return module(x, encoder_hidden_states=c)
+
+
+@st.composite
+def adapter_configs(draw):
+    targets = draw(st.lists(st.sampled_from(TARGETS), min_size=1, max_size=6, unique=True))
+    return {
+        "r": draw(st.integers(1, 8)),
+        "lora_alpha": draw(st.sampled_from([1, 4, 8, 16.5])),
+        "target_modules": targets,
+        "lora_bias": draw(st.booleans()),
+        "use_rslora": draw(st.booleans()),
+    }
+
+
+@SLOW
+@given(adapter_configs(), st.one_of(st.none(), adapter_configs()), st.booleans())
+def test_lora_block_matches_the_library_bit_for_bit(first, second, both_active):
+    block = lora_block(**first)
+    if second is not None:
+        add_adapter(block, "b", 7, **second)
+        if both_active:
+            for layer in layers(block):
+                layer.set_adapter(["a", "b"] if "b" in layer.lora_A else ["a"])
+    rust = RustTransformerBlock(block)
+    assert rust._config.lora, "no LoRA term read"
+    x, c = inputs()
+    with torch.no_grad():
+        got = call(rust, x, c)
+        expected = call(block, x, c)  # PEFT's forward, on the same modules
+        for layer in layers(block):
+            layer.enable_adapters(False)
+        plain = call(block, x, c)
+    assert torch.equal(got, expected)
+    assert rel_err(expected, plain) > 1e-3, "the adapters should change the output"
+
+
+def expected_refusal(block) -> str:
+    """What the drop-in must refuse in PEFT's current state (from PEFT's public state), or ''."""
+    for layer in layers(block):
+        if layer.disable_adapters and layer.merged:
+            return "disabled while"
+        if layer.disable_adapters or layer.merged:
+            continue
+        for name in layer.active_adapters:
+            drop = layer.lora_dropout[name] if name in layer.lora_A else None
+            if isinstance(drop, nn.Dropout) and drop.p > 0 and drop.training:
+                return "in training mode"
+    return ""
+
+
+OPS = st.one_of(
+    st.tuples(st.just("set_adapter"), st.sampled_from(["a", "b", ("a", "b"), ("b", "a")])),
+    st.tuples(st.just("enable"), st.booleans()),
+    st.tuples(st.just("merge"), st.sampled_from([False, True])),  # safe_merge
+    st.tuples(st.just("unmerge"), st.none()),
+    st.tuples(st.just("set_scale"), st.sampled_from(["a", "b"]), st.sampled_from([0.0, 0.5, 2.0])),
+    st.tuples(st.just("scale_layer"), st.sampled_from([0.5, 3.0])),
+    st.tuples(st.just("unscale_layer"), st.none()),
+    st.tuples(st.just("train"), st.booleans()),
+)
+
+
+def apply(block, op):
+    kind, *args = op
+    if kind == "train":
+        block.train(args[0])
+        return
+    for layer in layers(block):
+        if kind == "set_adapter":
+            names = [args[0]] if isinstance(args[0], str) else list(args[0])
+            layer.set_adapter([n for n in names if n in layer.lora_A] or names[:1])
+        elif kind == "enable":
+            layer.enable_adapters(args[0])
+        elif kind == "merge":
+            layer.merge(safe_merge=args[0])
+        elif kind == "unmerge" and layer.merged:
+            layer.unmerge()
+        elif kind == "set_scale":
+            layer.set_scale(args[0], args[1])
+        elif kind == "scale_layer":
+            layer.scale_layer(args[0])
+        elif kind == "unscale_layer":
+            layer.unscale_layer(args[0])
+
+
+@SLOW
+@given(st.lists(OPS, min_size=1, max_size=8))
+def test_changes_after_the_read_are_followed_or_refused_never_stale(ops):
+    block = lora_block(seed=3, lora_dropout=0.0)
+    add_adapter(block, "b", 9, r=2, lora_alpha=3, lora_dropout=0.25, target_modules=["to_v", "proj"])
+    block.eval()  # peft makes the new adapter's dropouts in training mode
+    rust = RustTransformerBlock(block)
+    x, c = inputs(seed=4)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT warns on merging a merged adapter, unmerging an unmerged one
+        assert torch.equal(call(rust, x, c), call(block, x, c))
+        for op in ops:
+            apply(block, op)
+            cause = expected_refusal(block)
+            if cause:
+                kept = x.clone()
+                with pytest.raises(UnsupportedBlockError, match=cause):
+                    call(rust, x, c)
+                assert torch.equal(x, kept)
+            else:
+                got = call(rust, x, c)
+                assert torch.equal(got, call(block, x, c)), op
+
+
+def test_lora_training_through_the_rust_block():
+    """Gradients reach PEFT's LoRA weights through the Rust block, equal to the library's; three SGD
+    steps through each leave the same adapter weights."""
+    x, c = inputs(seed=5)
+    target = torch.randn(2, 5, DIM, generator=torch.Generator().manual_seed(6))
+    runs = []
+    for through_rust in (False, True):
+        block = lora_block(seed=8, lora_dropout=0.0).train()
+        module = RustTransformerBlock(block) if through_rust else block
+        params = [p for p in block.parameters() if p.requires_grad]
+        assert params and all("lora_" in n for n, p in block.named_parameters() if p.requires_grad)
+        opt = torch.optim.SGD(params, lr=0.1)
+        grads = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            loss = ((call(module, x, c) - target) ** 2).mean()
+            loss.backward()
+            grads.append([p.grad.clone() for p in params])
+            opt.step()
+        runs.append((grads, [p.detach().clone() for p in params]))
+    (g0, p0), (g1, p1) = runs
+    assert all(torch.equal(a, b) for step0, step1 in zip(g0, g1) for a, b in zip(step0, step1))
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    assert any(g.abs().sum() > 0 for g in g1[0])
+
+
+def test_dropout_is_the_identity_in_eval_and_refused_in_training():
+    block = lora_block(seed=10, lora_dropout=0.1)
+    rust = RustTransformerBlock(block)
+    x, c = inputs()
+    with torch.no_grad():
+        assert torch.equal(call(rust, x, c), call(block, x, c))
+        block.train()
+        with pytest.raises(UnsupportedBlockError, match=r"lora_dropout.a has dropout p=0.1 in training mode"):
+            call(rust, x, c)
+        block.eval()
+        assert torch.equal(call(rust, x, c), call(block, x, c))
+
+
+def test_dora_is_refused_naming_the_cause():
+    block = lora_block(seed=11, use_dora=True)
+    with pytest.raises(UnsupportedBlockError, match=r"attn1.to_q adapter 'a' is DoRA \(use_dora=True\)"):
+        RustTransformerBlock(block)
+    plain = lora_block(seed=12)
+    rust = RustTransformerBlock(plain)
+    add_adapter(plain, "dora", 13, use_dora=True, target_modules=["to_k"])  # after the read; peft activates it
+    x, c = inputs()
+    with torch.no_grad():
+        with pytest.raises(UnsupportedBlockError, match="attn1.to_k adapter 'dora' is DoRA"):
+            call(rust, x, c)
+        for layer in layers(plain):
+            layer.set_adapter("a")
+        assert torch.equal(call(rust, x, c), call(plain, x, c))  # 'dora' is there, inactive
+        for layer in layers(plain):
+            if "dora" in layer.lora_A:
+                layer.set_adapter("dora")
+        with pytest.raises(UnsupportedBlockError, match="adapter 'dora' is DoRA"):
+            call(rust, x, c)
+
+
+def test_compvis_block_with_lora_and_the_cpp_twin():
+    """The reading is shared: PEFT injected into plusequals' own block runs in RustBlock.from_torch;
+    the C++ twin computes no LoRA terms, and says so."""
+    with torch.random.fork_rng():
+        block = randomize_(BasicTransformerBlock(DIM, HEADS, D_HEAD, context_dim=CTX), 14).eval()
+    add_adapter(block, "a", 15, target_modules=["to_q", "to_v", "net.2"])
+    x, c = inputs()
+    with torch.no_grad():
+        assert torch.equal(RustBlock.from_torch(block)(x, c), block(x, c))
+    with pytest.raises(ValueError, match="the C\\+\\+ twin computes no LoRA terms"):
+        CppBlock.from_torch(block)
+
+
+def test_lora_is_refused_where_the_custom_ops_would_run():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    block = lora_block(seed=16)
+    rust = RustTransformerBlock(block)
+    for merged in (False, True):  # merged too: a traced graph would not see an unmerge
+        if merged:
+            for layer in layers(block):
+                layer.merge()
+        with FakeTensorMode():
+            x, c = torch.empty(2, 5, DIM), torch.empty(2, 4, CTX)
+            with pytest.raises(UnsupportedBlockError, match=r"a block with LoRA adapters \(attn1.to_q, "):
+                call(rust, x, c)
+
+
+# --------------------------------------------------------------------------------------------
+# The UNet: diffusers' own adapter API on a swapped UNet
+# --------------------------------------------------------------------------------------------
+
+
+def tiny_unet(seed=0):
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        unet = diffusers.UNet2DConditionModel(**TINY_UNET).eval()
+    for i, block in enumerate(m for m in unet.modules() if isinstance(m, DiffusersBlock)):
+        randomize_(block, seed=100 * seed + i)
+    return unet
+
+
+def unet_adapter(unet, name, seed, **config):
+    config = {"r": 4, "lora_alpha": 4, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"], **config}
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        unet.add_adapter(LoraConfig(init_lora_weights=False, **config), adapter_name=name)
+
+
+@pytest.mark.parametrize("adapter_after_swap", [False, True])
+def test_swapped_unet_with_lora_forward_backward_and_diffusers_api(adapter_after_swap):
+    from plusequals import swap_transformer_blocks
+
+    g = torch.Generator().manual_seed(17)
+    sample, t, context = (
+        torch.randn(2, 4, 16, 16, generator=g),
+        torch.tensor([10, 700]),
+        torch.randn(2, 77, 32, generator=g),
+    )
+    reference, unet = tiny_unet(), tiny_unet()
+    for model in (reference, unet) if not adapter_after_swap else (reference,):
+        unet_adapter(model, "a", 18)
+    swap_transformer_blocks(unet)
+    if adapter_after_swap:
+        unet_adapter(unet, "a", 18)
+
+    def step(model, **kw):
+        model.zero_grad(set_to_none=True)
+        out = model(sample, t, context, **kw).sample
+        (out**2).sum().backward()
+        return [out] + [p.grad for n, p in model.named_parameters() if "lora_" in n and p.grad is not None]
+
+    def same(**kw):
+        a, b = step(unet, **kw), step(reference, **kw)
+        return len(a) == len(b) > 1 and all(torch.equal(x, y) for x, y in zip(a, b))
+
+    assert same()
+    assert all(m._config.lora for m in unet.modules() if isinstance(m, RustTransformerBlock))  # read at the call
+    assert same(cross_attention_kwargs={"scale": 0.5})  # the UNet scales the layers, then unscales them
+    for model in (unet, reference):
+        unet_adapter(model, "b", 19, r=2)
+        model.set_adapters(["a", "b"], weights=[0.5, 1.5])
+    assert same()
+
+    def same_output():
+        with torch.no_grad():
+            return torch.equal(unet(sample, t, context).sample, reference(sample, t, context).sample)
+
+    for model in (unet, reference):
+        model.disable_lora()
+    assert same_output()
+    for model in (unet, reference):
+        model.enable_lora()
+        model.fuse_lora(lora_scale=0.7)
+    assert same_output()
+    for model in (unet, reference):
+        model.disable_lora()  # disabled while fused: PEFT would unmerge inside its forward
+    with torch.no_grad(), pytest.raises(UnsupportedBlockError, match="disabled while"):
+        unet(sample, t, context)
+    for model in (unet, reference):
+        model.unfuse_lora()
+        model.enable_lora()
+    assert same()
