@@ -260,6 +260,15 @@ def expected_row(data: dict, heading: str, caption: str, header: list[str], row:
         p = next((p for p in hc["paired"] if (p["variant"], p["vs"]) == (label, ref)), None)
         ratio = "-" if p is None else _ratio(p["median"], p["q1"], p["q3"])
         return [row[0], f"{fmt(r['median_ms'] * 1e3)} ({fmt(r['iqr_ms'] * 1e3)})", ratio, r["note"]]
+    if caption.startswith("The crossing"):
+        a, b = (x.strip("`") for x in row[0].split(" - "))
+        d = next(d for d in data["host_cost"]["differences"] if (d["variant"], d["vs"]) == (a, b))
+        return [
+            row[0],
+            f"{fmt(d['median_us'])} [{fmt(d['q1_us'])}, {fmt(d['q3_us'])}]",
+            f"<= {fmt(d['budget_us'])}",
+            "within" if d["within_budget"] else "over",
+        ]
     if heading == "The boundary":
         b = next(b for b in data["boundary"] if (str(b["batch"]), b["shape"]) == tuple(row[:2]))
         return row[:2] + [
@@ -317,6 +326,7 @@ def test_every_table_cell_matches_its_row_and_column_in_results_json(quick_repor
         "Per UNet step",
         "The boundary",
         "Host cost: us per call",
+        "The crossing: us per call",
         "Targets",
     ):
         assert must in captions, must

@@ -288,7 +288,7 @@ def _boundary_targets(results: Results, target: Judge) -> list[Target]:
             10.0,
             echo <= 10.0,
             "us (worst shape)",
-            "echo() through RustBlock.forward's checks (the raw binding: the boundary table)",
+            "echo() through RustBlock.forward's full path (modes, subclasses, hooks: the boundary table)",
         ),
     ]
 

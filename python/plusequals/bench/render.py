@@ -260,7 +260,7 @@ def _boundary(res: Results) -> list[str]:
         "batch",
         "shape",
         "raw echo() us",
-        "through RustBlock's checks us",
+        "through RustBlock's full path us",
         "checked / raw (paired)",
         "donation_check us",
         "checks alone us (paired)",
@@ -271,7 +271,9 @@ def _boundary(res: Results) -> list[str]:
         "",
         "`echo()` crosses into Rust and back with no op: the raw binding `RustBlock._block.echo(x, context)` "
         "(unwrap, GIL release, wrap), "
-        "and the same call through `RustBlock.forward`'s Python checks (what a caller of `RustBlock` pays). "
+        "and the same call through `RustBlock.forward`'s full path (its Python checks, taken under modes, with "
+        "tensor subclasses or saved-tensor hooks; the common call's hot path is the host-cost cell's `rust/forward` - "
+        "`rust/raw`). "
         "`donation_check` runs a donation's checks without the move: shapes, dtype, device and libtorch's ownership "
         "counts "
         "(rust/ownership.rs); the ownership checks cost its time minus the raw echo, paired within each round. "
