@@ -376,7 +376,7 @@ def test_the_report_says_what_each_time_includes_and_how_noisy_the_machine_was(q
         assert "subtracted" in row[f"`{v}`"], v
     assert "copy is included" in row["`rust/forward_owned`"]
     assert "Drift: `eager/op_plus_x` in each round" in md
-    assert "through `RustBlock.forward`'s Python checks" in md
+    assert "through `RustBlock.forward`'s full path" in md and "The crossing: us per call" in md
     assert "within noise" in md
 
 
