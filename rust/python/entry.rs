@@ -12,7 +12,7 @@ use super::watch::PyWatch;
 use crate::facts::{grad_mode_enabled, python_sees_ops};
 
 /// A block and the watch of its last reading (`RustBlock._entry`), called once per forward: it
-/// checks, in that one crossing, what `plusequals.twin.dispatch.plain_eager` checks in Python
+/// checks, in that one crossing, what the full path checks in Python (`twin.dispatch.seen_by_python`)
 /// (plain tensors, and no dispatch mode, function mode or, under grad mode, saved-tensor hook that
 /// would see the ops), then runs the block's own call, which compares the watch first and then
 /// checks the weights, the inputs, autocast and, for a donation, ownership. Where Python code

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from .results import Difference, Drift, Floor, Paired, Record, Results, SameWork, Step, Target, Timing, fmt
-from .timing import paired_ratios, spread
+from .timing import paired_differences_us, paired_ratios, spread
 
 # Paired ratios reported besides "every variant / the reference".
 # rust/loop / cpp/loop: what the tch layer costs (its C API, a heap handle per op) over ATen.
@@ -77,7 +77,7 @@ def host_cost_pairs(results: Results) -> list[Paired]:
 
 def difference_rows(ra: Timing, rb: Timing, budget_us: float) -> Difference:
     """``ra - rb`` in µs per call within each round, summarised over the rounds."""
-    diffs = [(a - b) * 1e3 for a, b in zip(ra.rounds_ms, rb.rounds_ms, strict=True)]
+    diffs = paired_differences_us(ra.rounds_ms, rb.rounds_ms)
     sp = spread(diffs)
     return Difference(
         variant=ra.variant,

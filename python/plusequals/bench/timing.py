@@ -96,6 +96,11 @@ def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
     return [x / y for x, y in zip(a, b, strict=True)]
 
 
+def paired_differences_us(a_ms: Sequence[float], b_ms: Sequence[float]) -> list[float]:
+    """a - b within each round, ms in, µs out."""
+    return [(x - y) * 1e3 for x, y in zip(a_ms, b_ms, strict=True)]
+
+
 @dataclass(frozen=True)
 class Spread:
     """Median and quartiles of a set of samples (per-round times or paired ratios)."""

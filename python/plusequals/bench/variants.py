@@ -20,7 +20,7 @@ import torch
 from ..model.blocks import STRATEGIES
 from ..twin.block import CppBlock, RustBlock
 from .setup import Setup
-from .timing import net_ms, paired_ratios, spread, sync
+from .timing import net_ms, paired_differences_us, paired_ratios, spread, sync
 
 REFERENCE = "eager/op_plus_x"
 HOST_VARIANTS = (
@@ -98,8 +98,7 @@ def differences_settled(
 
     def settled(raw: Mapping[str, Sequence[float]]) -> bool:
         for va, vb in timed:
-            diffs = [(x - y) * 1e3 for x, y in zip(variant_ms(raw, va), variant_ms(raw, vb))]
-            if spread(diffs).iqr > max_iqr_us:
+            if spread(paired_differences_us(variant_ms(raw, va), variant_ms(raw, vb))).iqr > max_iqr_us:
                 return False
         return True
 
