@@ -1,22 +1,27 @@
 // What libtorch knows about a tensor's owners, for rust/ownership.rs.
 //
 // tch exposes none of these counts. Each function reads one libtorch invariant through the
-// same headers torch-sys compiles against; nothing here allocates a tensor or mutates one (the one
-// setter, pe_set_grad_mode, sets the thread's grad mode for ownership::NoGrad), and
+// same headers torch-sys compiles against; nothing here allocates a tensor or mutates one (but
+// two: pe_set_grad_mode sets the thread's grad mode for ownership::NoGrad, and pe_move_out is
+// a donation's move, rust/python/donation.rs), and
 // every function catches whatever libtorch throws, so no C++ exception can cross into Rust. A
 // tch `Tensor` is a pointer to a heap `at::Tensor` (torch-sys's `C_tensor`), which is what every
 // function takes.
+#include <algorithm>
 #include <ATen/core/Tensor.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/SavedTensorHooks.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/Storage.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/core/impl/PyInterpreter.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <typeinfo>
 
 extern "C" {
 
@@ -207,6 +212,73 @@ int64_t pe_device(const at::Tensor* t) noexcept try {
   return (static_cast<int64_t>(d.type()) << 16) | static_cast<int64_t>(static_cast<uint16_t>(d.index()));
 } catch (...) {
   return -1;
+}
+
+// A donation's move, with no libtorch op (where `x.detach()` then `x.set_()` go through the
+// dispatcher twice): returns a new handle on x's TensorImpl's storage, sizes, strides, offset and
+// version counter, with no autograd history, and leaves x (the caller's Python object's tensor)
+// on an empty storage of its device, shape [0], its version bumped, as `set_()` would. Returns
+// nullptr, with x unchanged, where it does not apply (x's TensorImpl is not a plain strided one
+// whose metadata may change) or anything throws before x is changed; the caller then moves with
+// the ops.
+at::Tensor* pe_move_out(const at::Tensor* x) noexcept try {
+  if (x == nullptr || !x->defined()) return nullptr;
+  c10::TensorImpl* impl = x->unsafeGetTensorImpl();
+  if (typeid(*impl) != typeid(c10::TensorImpl) || impl->layout() != c10::kStrided ||
+      !impl->allow_tensor_metadata_change() || impl->has_symbolic_sizes_strides() || !impl->has_storage()) {
+    return nullptr;
+  }
+  auto moved = impl->shallow_copy_and_detach(impl->version_counter(), /*allow_tensor_metadata_change=*/true);
+  auto* out = new at::Tensor(std::move(moved));
+  c10::Storage empty(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, impl->device()), nullptr, false);
+  // From here nothing throws for a plain strided TensorImpl whose metadata may change (checked).
+  impl->set_storage_keep_dtype(std::move(empty));
+  impl->set_storage_offset(0);
+  impl->set_sizes_contiguous({0});
+  impl->bump_version();
+  return out;
+} catch (...) {
+  return nullptr;
+}
+
+// The batch of an input that is dense, of shape (batch, tokens, `width`) with neither batch nor
+// tokens 0, of scalar type `dtype` and on device `device` (as in pe_first_changed); -1 for any
+// other (the caller then says which check fails, or accepts what autocast produces).
+int64_t pe_input_batch(const at::Tensor* t, int64_t width, int64_t dtype, int64_t device) noexcept try {
+  if (t == nullptr || !t->defined() || t->is_nested() || t->layout() != c10::kStrided) return -1;
+  const c10::IntArrayRef s = t->sizes();
+  if (s.size() != 3 || s[2] != width || s[0] == 0 || s[1] == 0) return -1;
+  if (static_cast<int64_t>(t->scalar_type()) != dtype || pe_device(t) != device) return -1;
+  return s[0];
+} catch (...) {
+  return -1;
+}
+
+// The tensor's c10::ScalarType as a number, -1 for an undefined tensor.
+int64_t pe_scalar_type(const at::Tensor* t) noexcept try {
+  if (t == nullptr || !t->defined()) return -1;
+  return static_cast<int64_t>(t->scalar_type());
+} catch (...) {
+  return -1;
+}
+
+// The index of the first of `n` tensors that is not dense with its recorded sizes (`ranks[i]`
+// sizes each, one after the other in `sizes`), the scalar type `dtype` (pe_scalar_type's number)
+// and the device `device` (pe_device's code); -1 when every one is as recorded. One call for a
+// block's weights on every forward, where one call per fact per weight cost microseconds.
+int64_t pe_first_changed(const at::Tensor* const* ts, int64_t n, const int64_t* ranks, const int64_t* sizes,
+                         int64_t dtype, int64_t device) noexcept try {
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor* t = ts[i];
+    if (t == nullptr || !t->defined() || t->is_nested() || t->layout() != c10::kStrided) return i;
+    if (static_cast<int64_t>(t->scalar_type()) != dtype || pe_device(t) != device) return i;
+    const c10::IntArrayRef now = t->sizes();
+    if (static_cast<int64_t>(now.size()) != ranks[i] || !std::equal(now.begin(), now.end(), sizes)) return i;
+    sizes += ranks[i];
+  }
+  return -1;
+} catch (...) {
+  return 0;
 }
 
 // The tensor's device as torch names it ("cpu", "cuda:0", "meta"), NUL-terminated in `buf`:

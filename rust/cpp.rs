@@ -82,7 +82,7 @@ const ERR_LEN: usize = 1024;
 
 /// Calls `f` with an error buffer; a null result becomes `Err` with the C++ message.
 fn call<T>(f: impl FnOnce(*mut c_char, usize) -> *mut T) -> Result<NonNull<T>> {
-    let mut err = vec![0 as c_char; ERR_LEN];
+    let mut err = [0 as c_char; ERR_LEN]; // on the stack: this runs on every call
     let out = f(err.as_mut_ptr(), ERR_LEN);
     NonNull::new(out).ok_or_else(|| {
         // SAFETY: the C++ side wrote a NUL-terminated message into the buffer (or left zeros).

@@ -48,6 +48,17 @@ mod ffi {
         pub fn pe_versions(ts: *const *const C_tensor, n: i64) -> i64;
         pub fn pe_dense_sizes(t: *const C_tensor, sizes: *mut i64, cap: i64) -> i64;
         pub fn pe_device(t: *const C_tensor) -> i64;
+        pub fn pe_scalar_type(t: *const C_tensor) -> i64;
+        pub fn pe_move_out(x: *const C_tensor) -> *mut C_tensor;
+        pub fn pe_input_batch(t: *const C_tensor, width: i64, dtype: i64, device: i64) -> i64;
+        pub fn pe_first_changed(
+            ts: *const *const C_tensor,
+            n: i64,
+            ranks: *const i64,
+            sizes: *const i64,
+            dtype: i64,
+            device: i64,
+        ) -> i64;
         pub fn pe_device_name(t: *const C_tensor, buf: *mut c_char, len: usize);
     }
 }
@@ -157,6 +168,69 @@ pub fn versions(ts: &[&Tensor]) -> i64 {
     let ptrs: Vec<_> = ts.iter().map(|t| t.as_ptr()).collect();
     // SAFETY: `ptrs` holds `ts.len()` live tensors, borrowed for the call.
     unsafe { ffi::pe_versions(ptrs.as_ptr(), ptrs.len() as i64) }
+}
+
+/// A donation's move without a libtorch op (`pe_move_out`): a new handle on `x`'s buffer, and `x`
+/// (every handle on its TensorImpl, the Python object's too) left empty, as `x.detach()` then
+/// `x.set_()` leave it. `None`, `x` unchanged, where it does not apply: the caller then uses the ops.
+pub fn move_out(x: &Tensor) -> Option<Tensor> {
+    // SAFETY: `x` is a live tensor borrowed for the call; a non-null result is a new heap
+    // `at::Tensor` handed over, which tch frees on drop.
+    let moved = unsafe { ffi::pe_move_out(x.as_ptr()) };
+    (!moved.is_null()).then(|| unsafe { Tensor::from_ptr(moved) })
+}
+
+/// What a block records of its weights at the build, to compare on every call in one C++ call
+/// ([`Recorded::first_changed`]): each one's sizes, and their one dtype and device.
+#[derive(Debug, Clone, Default)]
+pub struct Recorded {
+    ranks: Vec<i64>,
+    sizes: Vec<i64>,
+    dtype: i64,
+    device: i64,
+}
+
+impl Recorded {
+    /// Records `ts` as they are now (each one's sizes; the first one's dtype and device).
+    pub fn new(ts: &[&Tensor]) -> Self {
+        let shapes: Vec<Vec<i64>> = ts.iter().map(|t| dense_size(t).unwrap_or_default()).collect();
+        let ranks = shapes.iter().map(|s| s.len() as i64).collect();
+        // SAFETY: as in `tensor_facts`.
+        let dtype = ts.first().map_or(-1, |t| unsafe { ffi::pe_scalar_type(t.as_ptr()) });
+        let device = ts.first().and_then(|t| device(t)).unwrap_or(-1);
+        Recorded { ranks, sizes: shapes.concat(), dtype, device }
+    }
+
+    /// The index of the first of `ts` (the same tensors, in the same order) that is no longer
+    /// dense with its recorded sizes, dtype and device; `None` when all are.
+    pub fn first_changed(&self, ts: &[&Tensor]) -> Option<usize> {
+        if ts.len() != self.ranks.len() {
+            return Some(0);
+        }
+        let ptrs: Vec<_> = ts.iter().map(|t| t.as_ptr()).collect();
+        // SAFETY: `ptrs` holds `ts.len()` live tensors borrowed for the call; `ranks` has one rank
+        // per tensor and `sizes` their sum of sizes (made by `new` from as many tensors).
+        let i = unsafe {
+            ffi::pe_first_changed(
+                ptrs.as_ptr(),
+                ptrs.len() as i64,
+                self.ranks.as_ptr(),
+                self.sizes.as_ptr(),
+                self.dtype,
+                self.device,
+            )
+        };
+        usize::try_from(i).ok()
+    }
+
+    /// The batch of `t` when it is an input these weights take as they are: dense, of shape
+    /// (batch, tokens, `width`) with neither 0, of the weights' dtype and device, in one C++ call;
+    /// `None` otherwise (the caller's own checks then say why, or accept autocast's dtype).
+    pub fn input_batch(&self, t: &Tensor, width: i64) -> Option<i64> {
+        // SAFETY: as in `tensor_facts`.
+        let batch = unsafe { ffi::pe_input_batch(t.as_ptr(), width, self.dtype, self.device) };
+        (batch > 0).then_some(batch)
+    }
 }
 
 /// The sizes of a dense tensor, or `None` for one that has none (nested and other layouts,

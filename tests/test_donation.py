@@ -88,6 +88,29 @@ def test_forward_owned_donate_returns_x_buffer_and_invalidates_x(small):
     assert_matches(y, expected)  # the returned tensor is untouched by all that
 
 
+@pytest.mark.parametrize("how", ["plain", "data"])
+def test_a_donation_moves_the_buffer_and_leaves_x_empty_by_either_route(small, how):
+    """The move (rust/python/donation.rs): without a libtorch op for a plain tensor
+    (``pe_move_out``); with ``detach()`` and ``set_()`` for one whose metadata may not change
+    (``.data``). Either way the result owns x's old buffer and x is left empty, shape (0,), its
+    version bumped, and marked donated."""
+    block, rust, x, c = small
+    if how == "data":
+        x = x.clone().requires_grad_().data  # allow_tensor_metadata_change is false: the ops' route
+    with torch.no_grad():
+        expected = block(x, c)
+        ptr, version = x.data_ptr(), x._version
+        y = rust.forward_owned(x, c, donate=True)
+    assert y.data_ptr() == ptr
+    assert_matches(y, expected)
+    assert not y.requires_grad and y.grad_fn is None and y._base is None
+    with torch._C.DisableTorchFunctionSubclass():
+        assert isinstance(x, DonatedTensor) and x.shape == (0,) and x.untyped_storage().nbytes() == 0
+        assert x._version > version
+    y.resize_(y.numel())  # y is a tensor of its own: its metadata may change
+    assert y.data_ptr() == ptr
+
+
 # case -> the argument and the kind of second name the refusal reports (OwnershipError.arg, .why)
 REFUSALS = {
     "view": ("x", "view"),

@@ -49,6 +49,9 @@ class Watch:
         lists: List[Tuple[List[Any], List[Any]]] = ...,
     ) -> Watch: ...
     def unchanged(self) -> bool: ...
+    # how many dicts the version-tag shortcut covers (0 where CPython keeps no tags)
+    @property
+    def tagged(self) -> int: ...
 
 @final
 class Entry:

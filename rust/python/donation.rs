@@ -8,7 +8,7 @@ use tch::Tensor;
 use super::errors::{to_py, DonationConsumed};
 use super::twins::{masks_of, SharedBlock};
 use crate::error::{Alias, Failure};
-use crate::facts::{dispatch_modes, PyObjectPtr};
+use crate::facts::{dispatch_modes, move_out, PyObjectPtr};
 use crate::ownership::{check_owned_by, Caller};
 use crate::{BasicTransformerBlock, Error, NoGrad, Result};
 
@@ -40,12 +40,15 @@ pub(super) fn donate_into(
     let donated = donated_class(py, x)?;
     let original = x.get_type();
     let versions = twins.rust.weights_version();
-    x.setattr("__class__", &donated)?;
-    let moved = tensor.f_detach().and_then(|owned| tensor.f_set_().map(|_python_object| owned));
+    x.setattr(pyo3::intern!(py, "__class__"), &donated)?;
+    let moved = match move_out(&tensor) {
+        Some(owned) => Ok(owned),
+        None => tensor.f_detach().and_then(|owned| tensor.f_set_().map(|_python_object| owned)),
+    };
     let owned = match moved {
         Ok(owned) => owned,
         Err(e) => {
-            x.setattr("__class__", &original)?;
+            x.setattr(pyo3::intern!(py, "__class__"), &original)?;
             return Err(to_py(Error::Donation(Box::new(e.into()))));
         }
     };
@@ -64,7 +67,7 @@ pub(super) fn donate_into(
                 PyRuntimeError::new_err(format!("{e}; and putting x's buffer back failed: {restore}"))
             })?;
             drop(buffer);
-            x.setattr("__class__", &original)?;
+            x.setattr(pyo3::intern!(py, "__class__"), &original)?;
             Err(to_py(Error::Donation(Box::new(e))))
         }
         Err(Failure::Consumed(e)) => Err(DonationConsumed::new_err(format!(
@@ -117,9 +120,18 @@ pub(super) fn python_weakrefs(py: Python<'_>, obj: PyObjectPtr) -> i64 {
 
 /// The class `x` becomes when donated (`plusequals.donated.donated_class(type(x))`), or the
 /// `TypeError` that says why its class cannot become one, before anything moves.
+/// For a plain `torch.Tensor`, the usual donation, the answer is `DonatedTensor`, looked up once.
 pub(super) fn donated_class<'py>(py: Python<'py>, x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-    static DONATED_CLASS: GILOnceCell<PyObject> = GILOnceCell::new();
-    let f = DONATED_CLASS
-        .get_or_try_init(py, || py.import("plusequals.twin.donated")?.getattr("donated_class").map(Bound::unbind))?;
-    f.bind(py).call1((x.get_type(),))
+    static DONATED: GILOnceCell<(PyObject, PyObject, PyObject)> = GILOnceCell::new();
+    let (f, tensor, plain) = DONATED.get_or_try_init(py, || -> PyResult<_> {
+        let f = py.import("plusequals.twin.donated")?.getattr("donated_class")?;
+        let tensor = py.import("torch")?.getattr("Tensor")?;
+        let plain = f.call1((&tensor,))?;
+        Ok((f.unbind(), tensor.unbind(), plain.unbind()))
+    })?;
+    let cls = x.get_type();
+    if cls.is(tensor) {
+        return Ok(plain.bind(py).clone());
+    }
+    f.bind(py).call1((cls,))
 }

@@ -1,0 +1,113 @@
+"""The watch's version-tag shortcut (issue #24, ``rust/python/watch.rs``): where CPython keeps a
+dict's version tag (3.11 to 3.13), a call compares one tag per watched dict instead of every noted
+value, and runs the full compare only when a tag moved. A shortcut must never say "unchanged"
+where the full compare would not: generated sequences of changes to the watched dicts (a value
+replaced, set to itself, a key added or removed and put back, a dict cleared and refilled, a class
+swapped) are checked, after every step, against an oracle written in Python from the watch's own
+record of what it read."""
+
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import make_block
+from plusequals import RustBlock
+
+TAGS = (3, 11) <= sys.version_info[:2] < (3, 14)
+
+
+def _reading(seed):
+    rb = RustBlock.from_torch(make_block(dim=16, heads=2, d_head=8, context_dim=16, seed=seed))
+    watch = rb._reading.watch
+    keys = [list(d) for d in watch.globals]
+    return rb, watch, keys
+
+
+def _oracle(watch, global_keys) -> bool:
+    """The full compare, from its definition: every noted value by identity, every module's exact
+    class, every read dict's size, hook dicts empty, the global hook dicts' keys in order, and the
+    watched lists' items."""
+    missing = object()
+    notes = zip(watch.vdicts + watch.tdicts, watch.vkeys + watch.tkeys, watch.values + watch.tensors)
+    return (
+        all(d.get(k, missing) is v for d, k, v in notes)
+        and all(type(m) is cls for m, cls in zip(watch.modules, watch.classes))
+        and all(len(d) == n for d, n in zip(watch.ldicts, watch.lens))
+        and all(len(d) == 0 for d in watch.hook_dicts)
+        and all(len(d) == len(k) and all(a is b for a, b in zip(d, k)) for d, k in zip(watch.globals, global_keys))
+        and all(len(lst) == len(items) and all(a is b for a, b in zip(lst, items)) for lst, items in watch.lists)
+    )
+
+
+def _dicts(watch):
+    seen, out = set(), []
+    for d in watch.vdicts + watch.tdicts + watch.ldicts + watch.hook_dicts:
+        if id(d) not in seen:
+            seen.add(id(d))
+            out.append(d)
+    return out
+
+
+class _Other:
+    pass
+
+
+def _change(watch, d: dict, op: str, pick: int):
+    """Applies ``op`` to ``d``; returns how to undo it (or None)."""
+    keys = list(d)
+    key = keys[pick % len(keys)] if keys else None
+    if op == "set_same" and key is not None:
+        d[key] = d[key]
+    elif op == "replace" and key is not None:
+        old = d[key]
+        d[key] = object()
+        return lambda: d.__setitem__(key, old)
+    elif op == "delete" and key is not None:
+        old = d.pop(key)
+        return lambda: d.__setitem__(key, old)  # put back, at the end
+    elif op == "add":
+        d["_plusequals_probe"] = 1
+        return lambda: d.pop("_plusequals_probe")
+    elif op == "refill":
+        saved = dict(d)
+        d.clear()
+        d.update(saved)  # the same items in the same order: unchanged, though every tag moved
+    elif op == "update_same" and key is not None:
+        d.update({key: d[key]})
+    elif op == "swap_class":
+        m = watch.modules[pick % len(watch.modules)]
+        cls = type(m)
+        m.__class__ = type("Swapped", (cls,), {})
+        return lambda: setattr(m, "__class__", cls)
+    return None
+
+
+OPS = ["set_same", "replace", "delete", "add", "refill", "update_same", "swap_class"]
+
+
+@pytest.mark.skipif(not TAGS, reason="CPython keeps no dict version tags here: the watch compares in full")
+def test_the_shortcut_covers_every_watched_dict_where_cpython_keeps_tags():
+    _, watch, _ = _reading(0)
+    assert watch.rust.tagged == len({id(d) for d in _dicts(watch) + watch.globals})
+    assert watch.rust.unchanged()
+
+
+# (the change, which dict, which key or module, whether to undo it)
+STEP = st.tuples(st.sampled_from(OPS), st.integers(0, 10**6), st.integers(0, 10**6), st.booleans())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(STEP, max_size=12))
+def test_the_watch_agrees_with_the_full_compare_after_every_change(steps):
+    _, watch, global_keys = _reading(1)
+    dicts = _dicts(watch)
+    assert watch.rust.unchanged() and _oracle(watch, global_keys)
+    for op, which, pick, undo in steps:
+        restore = _change(watch, dicts[which % len(dicts)], op, pick)
+        assert watch.rust.unchanged() == _oracle(watch, global_keys), (op, "after the change")
+        assert watch.rust.unchanged() == _oracle(watch, global_keys), (op, "asked again")
+        if undo and restore is not None:
+            restore()
+            assert watch.rust.unchanged() == _oracle(watch, global_keys), (op, "after the undo")
