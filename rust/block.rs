@@ -401,15 +401,12 @@ impl BasicTransformerBlock {
         w
     }
 
-    /// Every LoRA term, linear by linear.
-    fn lora_terms(&self) -> Vec<&Lora> {
+    /// Every LoRA term, linear by linear (no allocation: [`weights`](Self::weights) runs on every call).
+    fn lora_terms(&self) -> impl Iterator<Item = &Lora> {
         let (project_in, net_2) = self.ff.linears();
-        let mut linears = vec![];
-        for attn in [&self.attn1, &self.attn2] {
-            linears.extend([&attn.to_q, &attn.to_k, &attn.to_v, &attn.to_out]);
-        }
-        linears.extend([project_in, net_2]);
-        linears.into_iter().flat_map(|lin| lin.lora.iter()).collect()
+        let [a1, a2] = [&self.attn1, &self.attn2];
+        let linears = [&a1.to_q, &a1.to_k, &a1.to_v, &a1.to_out, &a2.to_q, &a2.to_k, &a2.to_v, &a2.to_out];
+        linears.into_iter().chain([project_in, net_2]).flat_map(|lin| lin.lora.iter())
     }
 
     /// The CompVis key of each of [`weights`](Self::weights), in the same order.

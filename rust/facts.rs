@@ -165,9 +165,22 @@ pub fn version(t: &Tensor) -> i64 {
 
 /// The sum of the tensors' version counters, in one call.
 pub fn versions(ts: &[&Tensor]) -> i64 {
-    let ptrs: Vec<_> = ts.iter().map(|t| t.as_ptr()).collect();
     // SAFETY: `ptrs` holds `ts.len()` live tensors, borrowed for the call.
-    unsafe { ffi::pe_versions(ptrs.as_ptr(), ptrs.len() as i64) }
+    with_ptrs(ts, |ptrs| unsafe { ffi::pe_versions(ptrs.as_ptr(), ptrs.len() as i64) })
+}
+
+/// `f` on the tensors' pointers: on the stack for a block's weights (these run on every call).
+fn with_ptrs<R>(ts: &[&Tensor], f: impl FnOnce(&[*const torch_sys::C_tensor]) -> R) -> R {
+    const ON_STACK: usize = 32;
+    if ts.len() <= ON_STACK {
+        let mut ptrs = [std::ptr::null::<torch_sys::C_tensor>(); ON_STACK];
+        for (p, t) in ptrs.iter_mut().zip(ts) {
+            *p = t.as_ptr();
+        }
+        f(&ptrs[..ts.len()])
+    } else {
+        f(&ts.iter().map(|t| t.as_ptr()).collect::<Vec<_>>())
+    }
 }
 
 /// A donation's move without a libtorch op (`pe_move_out`): a new handle on `x`'s buffer, and `x`
@@ -207,10 +220,9 @@ impl Recorded {
         if ts.len() != self.ranks.len() {
             return Some(0);
         }
-        let ptrs: Vec<_> = ts.iter().map(|t| t.as_ptr()).collect();
         // SAFETY: `ptrs` holds `ts.len()` live tensors borrowed for the call; `ranks` has one rank
         // per tensor and `sizes` their sum of sizes (made by `new` from as many tensors).
-        let i = unsafe {
+        let i = with_ptrs(ts, |ptrs| unsafe {
             ffi::pe_first_changed(
                 ptrs.as_ptr(),
                 ptrs.len() as i64,
@@ -219,7 +231,7 @@ impl Recorded {
                 self.dtype,
                 self.device,
             )
-        };
+        });
         usize::try_from(i).ok()
     }
 
