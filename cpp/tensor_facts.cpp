@@ -20,6 +20,7 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <typeinfo>
 
@@ -228,15 +229,16 @@ at::Tensor* pe_move_out(const at::Tensor* x) noexcept try {
       !impl->allow_tensor_metadata_change() || impl->has_symbolic_sizes_strides() || !impl->has_storage()) {
     return nullptr;
   }
-  auto moved = impl->shallow_copy_and_detach(impl->version_counter(), /*allow_tensor_metadata_change=*/true);
-  auto* out = new at::Tensor(std::move(moved));
+  auto out = std::make_unique<at::Tensor>(
+      impl->shallow_copy_and_detach(impl->version_counter(), /*allow_tensor_metadata_change=*/true));
   c10::Storage empty(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, impl->device()), nullptr, false);
-  // From here nothing throws for a plain strided TensorImpl whose metadata may change (checked).
+  // x is changed only from here, where nothing throws for a plain strided TensorImpl whose
+  // metadata may change (checked above).
   impl->set_storage_keep_dtype(std::move(empty));
   impl->set_storage_offset(0);
   impl->set_sizes_contiguous({0});
   impl->bump_version();
-  return out;
+  return out.release();
 } catch (...) {
   return nullptr;
 }

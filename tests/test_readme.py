@@ -4,7 +4,7 @@ import json
 import re
 from pathlib import Path
 
-from plusequals.bench.results import NUMBER
+from plusequals.bench.results import NUMBER, fmt
 from report_tokens import tokens
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,3 +20,21 @@ def test_every_number_in_a_numbers_block_is_in_its_results_json():
         prose = re.sub(r"`[^`]*`", "", text)  # variant names (eager/op_plus_x, cpp/loop) are not numbers
         stray = [n for n in NUMBER.findall(prose) if n not in allowed]
         assert not stray, f"README numbers not in {source}: {stray}"
+
+
+def test_the_readme_says_which_crossing_budgets_the_committed_report_met():
+    """The crossing sentence gives every difference of docs/report-cpu's host-cost cell, in the
+    report's order, with its median, and "within" or "over" its budget as results.json says."""
+    data = json.loads((REPO / "docs/report-cpu/results.json").read_text())
+    readme = (REPO / "README.md").read_text()
+    said = readme[readme.index("* **What do RustBlock's checks and the crossing cost?**") :]
+    said = " ".join(said[: said.index("<!-- /numbers -->")].split())
+    found = re.findall(r"([0-9.]+) \[[^\]]*\] µs \((within|over) ([0-9.]+)\)", said)
+    wanted = [
+        (fmt(d["median_us"]), "within" if d["within_budget"] else "over", fmt(d["budget_us"]))
+        for d in data["host_cost"]["differences"]
+    ]
+    assert found == wanted
+    assert said.startswith("* **What do RustBlock's checks and the crossing cost?** Within budget") == any(
+        w[1] == "within" for w in wanted
+    )

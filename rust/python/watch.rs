@@ -128,7 +128,7 @@ impl PyWatch {
         if !(same_classes && same_lists) {
             return false;
         }
-        if self.tags.iter().all(|(d, was)| tag(d) == was.load(Ordering::Relaxed)) && !self.tags.is_empty() {
+        if !self.tags.is_empty() && self.tags.iter().all(|(d, was)| tag(d) == was.load(Ordering::Relaxed)) {
             return true;
         }
         // Read before the compare: a change made while it runs (a key's __eq__ may run Python
