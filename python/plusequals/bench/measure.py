@@ -452,7 +452,7 @@ def measure(p: Plan, outdir: Path, console: Console) -> Recorder:
         task = progress.add_task("measuring", total=len(cells) + 1)
         # The host-cost cell first: a measure of microseconds per call, taken before the cells
         # (two threads, JAX, ONNX Runtime, MB-sized activations) have grown the process's heap.
-        # Measured once, after one quick cell: its differences' IQRs 5-9 µs, against about 2 µs.
+        # Measured once, after one quick cell: its differences' IQRs 7-12 µs, against 1.5-3.4 µs first.
         progress.update(task, description=f"host cost: batch {HOST_BATCH} {HOST_SHAPE.label}, one thread", refresh=True)
         seed = ROUND_SEED + len(cells) + 1
         rounds, max_rounds, extra_s = host_rounds(p)
