@@ -269,11 +269,10 @@ pub struct BasicTransformerBlock {
     kind: Kind,
     /// The weights' device (`facts::device`'s code, and torch's name for it).
     device: (i64, String),
-    /// Each weight's shape at the build, in [`BasicTransformerBlock::weights`] order: the
-    /// weights are shared handles, and an in-place metadata change (`w.t_()`, `w.resize_()`,
-    /// `p.data = ..`) reaches this block too.
-    shapes: Vec<Vec<i64>>,
-    /// The same, with the dtype and device, for the one-call check on every forward.
+    /// Each weight's shape at the build, in [`BasicTransformerBlock::weights`] order, and their
+    /// dtype and device, checked in one call on every forward: the weights are shared handles,
+    /// and an in-place metadata change (`w.t_()`, `w.resize_()`, `p.data = ..`) reaches this
+    /// block too.
     recorded: Recorded,
 }
 
@@ -305,10 +304,8 @@ impl BasicTransformerBlock {
             context_dim,
             kind,
             device: (device, name),
-            shapes: Vec::new(),
             recorded: Recorded::default(),
         };
-        block.shapes = block.weights().into_iter().map(|t| dense_size(t).unwrap_or_default()).collect();
         block.recorded = Recorded::new(&block.weights());
         Ok(block)
     }
@@ -449,10 +446,11 @@ impl BasicTransformerBlock {
         let Some(first) = self.recorded.first_changed(&weights) else {
             return Ok(()); // every one as recorded: one C++ call
         };
-        for (i, (w, shape)) in weights.into_iter().zip(&self.shapes).enumerate().skip(first) {
-            let size = dense_size(w);
-            let same =
-                size.as_ref() == Some(shape) && w.f_kind().ok() == Some(self.kind) && device(w) == Some(self.device.0);
+        for (i, w) in weights.into_iter().enumerate().skip(first) {
+            let (size, shape) = (dense_size(w), self.recorded.shape(i));
+            let same = size.as_deref() == Some(shape)
+                && w.f_kind().ok() == Some(self.kind)
+                && device(w) == Some(self.device.0);
             if !same {
                 let key = self.weight_keys().swap_remove(i);
                 let now = match w.f_kind() {

@@ -235,6 +235,14 @@ impl Recorded {
         usize::try_from(i).ok()
     }
 
+    /// The `i`-th tensor's recorded sizes (empty past the last).
+    pub fn shape(&self, i: usize) -> &[i64] {
+        let start: i64 = self.ranks.iter().take(i).sum();
+        let rank = self.ranks.get(i).copied().unwrap_or(0);
+        let (start, end) = (start as usize, (start + rank) as usize);
+        self.sizes.get(start..end).unwrap_or_default()
+    }
+
     /// The batch of `t` when it is an input these weights take as they are: dense, of shape
     /// (batch, tokens, `width`) with neither 0, of the weights' dtype and device, in one C++ call;
     /// `None` otherwise (the caller's own checks then say why, or accept autocast's dtype).

@@ -154,6 +154,7 @@ def host_rounds(p: Plan) -> tuple[int, int, float]:
 
 def config(p: Plan) -> dict:
     """results.json's ``config``: the plan, and what the report's prose needs to say about it."""
+    host = host_rounds(p)
     return {
         "device": p.device,
         "dtype": str(p.dtype).replace("torch.", ""),
@@ -172,9 +173,9 @@ def config(p: Plan) -> dict:
         "same_work_band_pct": SAME_WORK_BAND_PCT,
         "rust_loop_n": p.loop_n,
         "crossing_budgets": [list(b) for b in CROSSING_BUDGETS],
-        "host_rounds": host_rounds(p)[0],
-        "host_max_rounds": host_rounds(p)[1],
-        "host_extra_rounds_s": host_rounds(p)[2],
+        "host_rounds": host[0],
+        "host_max_rounds": host[1],
+        "host_extra_rounds_s": host[2],
         "host_settled_iqr_us": HOST_SETTLED_IQR_US,
         "torch_compile": p.torch_compile,
         "compilers": p.compilers,

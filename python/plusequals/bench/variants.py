@@ -163,10 +163,11 @@ def rust_variants(s: Setup, loop_n: int) -> list[Variant]:
     ]
 
 
-def cpp_variants(s: Setup, loop_n: int) -> list[Variant]:
+def cpp_variants(s: Setup, loop_n: int, cpp: Optional[CppBlock] = None) -> list[Variant]:
     """The C++ twin (cpp/block.cpp): called from Python, and looping inside C++ (no Python, no
-    tch: the floor for host cost per call without CUDA graphs)."""
-    cpp, x, c = CppBlock.from_torch(s.block), s.x, s.context
+    tch: the floor for host cost per call without CUDA graphs). ``cpp``: the CppBlock to time
+    (one made from ``s.block`` by default)."""
+    cpp, x, c = cpp or CppBlock.from_torch(s.block), s.x, s.context
     return [
         Variant(
             "cpp/forward",
@@ -184,11 +185,11 @@ def cpp_variants(s: Setup, loop_n: int) -> list[Variant]:
     ]
 
 
-def crossing_variants(s: Setup, loop_n: int) -> list[Variant]:
+def crossing_variants(s: Setup, loop_n: int, cpp_block: CppBlock) -> list[Variant]:
     """What the crossing costs alone (the host-cost cell): the extension's own calls
-    (``plusequals._rust.Block``) with none of RustBlock's or CppBlock's Python checks and no watch,
-    and the in-place loop that a donation is measured against."""
-    rust, cpp, x, c = s.rust._block, CppBlock.from_torch(s.block)._block, s.x, s.context
+    (``plusequals._rust.Block``) of ``s.rust`` and ``cpp_block``, with none of RustBlock's or
+    CppBlock's Python checks and no watch, and the in-place loop that a donation is measured against."""
+    rust, cpp, x, c = s.rust._block, cpp_block._block, s.x, s.context
     return [
         Variant(
             "rust/raw", "rust", lambda: rust.forward(x, c), "one forward through the raw extension call, unchecked"
@@ -215,7 +216,10 @@ def crossing_variants(s: Setup, loop_n: int) -> list[Variant]:
 
 def host_variants(s: Setup, loop_n: int) -> list[Variant]:
     """The host-cost cell's variants (``HOST_VARIANTS``; the CUDA-graph one on CUDA only)."""
-    every = eager_variants(s) + rust_variants(s, loop_n) + cpp_variants(s, loop_n) + crossing_variants(s, loop_n)
+    cpp = CppBlock.from_torch(s.block)  # cpp/raw is the raw call of cpp/forward's own block
+    every = (
+        eager_variants(s) + rust_variants(s, loop_n) + cpp_variants(s, loop_n, cpp) + crossing_variants(s, loop_n, cpp)
+    )
     if s.device == "cuda":
         every += graph_variants(s)
     by = {v.name: v for v in every}
