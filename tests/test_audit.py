@@ -521,8 +521,14 @@ def test_non_reentrant_checkpointing_saves_under_hooks_and_is_E0596_only():
 
 
 def test_plusequals_audit_is_the_function_and_the_package():
+    """Issue 33: ``plusequals.audit`` is a plain function (no callable module); the package's
+    modules still import as ``plusequals.audit.cases``."""
+    import inspect
+
     import plusequals
+    from plusequals.audit import cases as imported
 
     report = plusequals.audit(Writer(lambda t: t, WRITES["add_"][0]), torch.randn(3))
     assert isinstance(report, plusequals.AuditReport) and report.codes == ["E0596"]
-    assert plusequals.audit.cases is cases and plusequals.audit.audit is audit
+    assert plusequals.audit is audit and inspect.isfunction(plusequals.audit) and imported is cases
+    assert inspect.signature(plusequals.audit).return_annotation in ("AuditReport", plusequals.AuditReport)

@@ -12,8 +12,9 @@ needs torch's Python classes registered.
 
 import torch  # noqa: F401  (must precede the extension)
 
-from . import audit  # plusequals.audit(model, *args): a callable module (see plusequals.audit)
-from .audit import AuditReport, Finding
+# plusequals.audit is the function (it shadows its package's attribute: `from plusequals.audit import
+# cases` still imports the package's modules, through sys.modules)
+from .audit import AuditReport, Finding, audit
 from .errors import DonationConsumed, OwnershipError, StaleBlock, UnsupportedBlockError, WeightsChanged
 from .model.blocks import GEGLU, STRATEGIES, BasicTransformerBlock, CrossAttention, FeedForward
 from .twin.block import CppBlock, RustBlock

@@ -12,6 +12,11 @@ returns an :class:`AuditReport` whose ``findings`` carry rustc's error codes:
   moved into the module, and the caller used it after the move (the UNet skip).
 * ``E0502``: a write into a tensor that autograd saved for backward, found at the write.
 
+:class:`.scope.AuditScope` audits every outermost module call a program makes (``python -m
+plusequals audit run``, the pytest plugin :mod:`.plugin`); :mod:`.diagnostics` prints findings as
+rustc does, :mod:`.sarif` as JSON and SARIF; ``# plusequals: allow(E0596)`` on the writing line
+silences a code there (:mod:`.allow`).
+
 It watches with forward hooks on each module (:mod:`.modules`), a TorchDispatchMode for the
 writes (:mod:`.mode`), a TorchFunctionMode for what autograd saves (:mod:`.saved`) and, once a
 value has moved, an opcode tracer on the frames that hold it (:mod:`.frames`). It imports
@@ -21,84 +26,44 @@ nothing else of plusequals; :mod:`.cases` holds the project's harnesses.
 from __future__ import annotations
 
 import sys
-import types
-from typing import Any, List, Optional
+from typing import Any
 
-import torch
-from torch import Tensor, nn
-from torch.autograd.graph import _engine_run_backward
-
-from .memory import tensors
-from .mode import Recorder, WriteWatch
-from .modules import ModuleWatch
+from .allow import Allows
 from .report import CODES, AuditReport, Finding
-from .saved import SavedTensors
+from .scope import CallAudit, backward_from, describe, roots, unscoped
 
 __all__ = ["CODES", "AuditReport", "Finding", "audit"]
 
 
-class _CallableModule(types.ModuleType):
-    """``plusequals.audit(model, ...)`` is :func:`audit`, and ``plusequals.audit.cases`` still the
-    harnesses: the package is a module that can be called."""
-
-    def __call__(self, model: Any, *args: Any, backward: bool = False, **kwargs: Any) -> AuditReport:
-        return audit(model, *args, backward=backward, **kwargs)
-
-
 def audit(model: Any, *args: Any, backward: bool = False, **kwargs: Any) -> AuditReport:
-    """Runs ``model(*args, **kwargs)`` once under watch; see the module's docstring."""
-    modules = ModuleWatch(stop=sys._getframe())
-    if isinstance(model, nn.Module):
-        modules.attach(model)
-    else:
-        modules.push_root(model, args, kwargs)
-    recorder = Recorder()
-    saved = SavedTensors(modules.current)
-    watch = WriteWatch(modules, saved, recorder)
-    report = AuditReport(modules=modules.watched)
-    try:
-        with saved, watch:
-            out = _run(report, "error", lambda: model(*args, **kwargs))
-            roots = [t.grad_fn for t in _differentiable(out)]
-            watch.confirm(roots)
-            if backward and report.error is None:
-                watch.phase = "backward"
-                _run(report, "backward_error", lambda: _backward(out))
-                watch.confirm(None)
-    finally:
-        watch.tracer.stop()
-        modules.detach()
-    report.findings = recorder.findings()
-    report.ops, report.calls = watch.ops, modules.calls
+    """Runs ``model(*args, **kwargs)`` once under watch, in the caller's grad mode (with
+    ``backward=True``, then a backward from the sum of its outputs that need grad) and returns
+    what broke rustc's rules: :class:`AuditReport` (``findings``, each a :class:`Finding` with
+    its code E0596, E0382 or E0502, module, ``path:line`` and op). The model's own error is
+    recorded in ``error`` / ``backward_error``, not raised; findings before it are kept. A
+    ``# plusequals: allow(CODE)`` comment on the writing line silences that code there."""
+    unit = CallAudit(model, args, kwargs, stop=sys._getframe())
+    report = unit.report
+    with unscoped(), unit.watching():
+        out = _run(report, lambda: model(*args, **kwargs))
+        unit.watch.confirm(roots(out))
+        if backward and report.error is None:
+            unit.watch.phase = "backward"
+            try:
+                backward_from(out, keep=False)
+            except Exception as e:  # the model's own error: recorded, findings before it kept
+                report.backward_error = describe(e)
+            unit.watch.confirm(None)
+    allows = Allows()
+    allows.watch(unit.files)
+    allows.apply(report)
+    report.unused_allows = allows.unused()
     return report
 
 
-def _run(report: AuditReport, slot: str, fn: Any) -> Any:
+def _run(report: AuditReport, fn: Any) -> Any:
     try:
         return fn()
     except Exception as e:  # the model's own error: recorded, findings before it kept
-        lines = str(e).strip().splitlines()
-        setattr(report, slot, f"{type(e).__name__}: {lines[0] if lines else ''}")
+        report.error = describe(e)
         return None
-
-
-def _differentiable(out: Any) -> List[Tensor]:
-    return [t for t in tensors(out) if t.requires_grad and t.grad_fn is not None]
-
-
-def _backward(out: Any) -> None:
-    outs = _differentiable(out)
-    if not outs:
-        raise ValueError("nothing to differentiate: no output requires grad")
-    loss: Optional[Tensor] = None
-    for t in outs:
-        loss = t.sum() if loss is None else loss + t.sum()
-    # the engine itself: torch.autograd.backward would be handed to the TorchFunctionMode, which
-    # runs it with the mode off, and the mode would miss what backward recomputes (checkpoints)
-    assert loss is not None
-    _engine_run_backward(
-        (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True
-    )
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -24,10 +24,8 @@ __all__ = ["MoveTracer", "is_user", "location", "user_frame"]
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# the audit's machinery (its harnesses in cases.py are user code)
-_AUDIT = frozenset(
-    os.path.join(_HERE, f) for f in ("__init__.py", "frames.py", "memory.py", "mode.py", "modules.py", "saved.py")
-)
+# the audit's machinery: every module of the package (its harnesses in cases.py are user code)
+_AUDIT = frozenset(os.path.join(_HERE, f) for f in os.listdir(_HERE) if f.endswith(".py") and f != "cases.py")
 
 
 def is_user(frame: FrameType) -> bool:

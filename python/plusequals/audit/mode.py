@@ -13,11 +13,12 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .frames import MoveTracer, holders, location, user_frame
+from .frames import MoveTracer, holders, location
 from .memory import Span, span, writes
 from .modules import Arg, Call, ModuleWatch
 from .report import Finding
 from .saved import Saved, SavedTensors, overwritten, reachable
+from .sites import write_site
 
 __all__ = ["Recorder", "WriteWatch"]
 
@@ -102,7 +103,7 @@ class WriteWatch(TorchDispatchMode):
             entries = [] if metadata_only else self.saved.saving(s)
             if owner is None and not entries:
                 continue
-            where = where or location(user_frame(sys._getframe()))
+            where = where or write_site(sys._getframe(), self.modules)  # never the audit's caller
             seq, op = self.recorder.next(), _op_name(func)
             if owner is not None:
                 self._moved(seq, op, where, s, *owner)

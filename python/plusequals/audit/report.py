@@ -39,7 +39,9 @@ class AuditReport:
     """The findings of one audited call, in the order the writes happened, and what was watched:
     ``ops`` (aten ops dispatched), ``modules`` (modules watched), ``calls`` (module calls).
     ``error`` / ``backward_error``: the first line of what the forward / backward raised, if
-    anything (the audit never hides the model's own error; findings before it are kept)."""
+    anything (the audit never hides the model's own error; findings before it are kept).
+    ``allowed``: the findings a ``# plusequals: allow(CODE)`` on their line silenced;
+    ``unused_allows``: ``(path:line, code)`` of each allowed code that silenced nothing."""
 
     findings: List[Finding] = field(default_factory=list)
     ops: int = 0
@@ -47,6 +49,8 @@ class AuditReport:
     calls: int = 0
     error: Optional[str] = None
     backward_error: Optional[str] = None
+    allowed: List[Finding] = field(default_factory=list)
+    unused_allows: List[Tuple[str, str]] = field(default_factory=list)
 
     @property
     def codes(self) -> List[str]:
@@ -75,10 +79,19 @@ class AuditReport:
         return table
 
     def summary(self) -> str:
-        """One line: the codes found (or clean), what was watched, and any error."""
-        found = ", ".join(f"{c}x{len(self.by_code(c))}" for c in self.codes) or "clean"
+        """One line: the codes found (or clean: never when the forward or backward raised), what
+        was watched, and any error."""
+        raised = self.error is not None or self.backward_error is not None
+        found = ", ".join(f"{c}x{len(self.by_code(c))}" for c in self.codes)
+        found = found or ("no findings before the error" if raised else "clean")
         line = f"{found} ({self.ops} ops, {self.modules} modules, {self.calls} calls watched)"
         for label, err in (("forward raised", self.error), ("backward raised", self.backward_error)):
             if err:
                 line += f"; {label}: {err if len(err) <= 110 else err[:109] + '…'}"
         return line
+
+    def __str__(self) -> str:
+        """The findings as rustc's diagnostics (no colour), then :meth:`summary`."""
+        from .diagnostics import render
+
+        return render([("", self)], color=False).rstrip("\n") + "\n" + self.summary()

@@ -1,11 +1,33 @@
-"""The command line: ``python -m plusequals demo | report | summary | audit``."""
+"""The command line: ``python -m plusequals demo | report | summary | audit | audit run``."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any
+
+
+def _add_audit(sub: Any) -> None:
+    audit = sub.add_parser(
+        "audit",
+        help="the borrow checker's verdicts on the project's PyTorch code (plusequals.audit); "
+        "`audit run SCRIPT` on yours",
+        epilog="`python -m plusequals audit run [options] SCRIPT [ARGS...]` (or `-m MODULE`) audits your program: "
+        "see `audit run --help`.",
+    )
+    audit.add_argument("--models", action="store_true", help="audit the real models, full size on the meta device")
+    audit.add_argument(
+        "--markdown", action="store_true", help="the README's table (of the strategies, or with --models of the models)"
+    )
+    audit.add_argument("--json", action="store_true", help="the strategies' reports as JSON on stdout")
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["audit", "run"]:  # the program's own options follow: not for this parser
+        from .run import main as audit_run
+
+        return audit_run(argv[2:])
     parser = argparse.ArgumentParser(prog="python -m plusequals", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="each += bug live in PyTorch, each refused by rustc")
@@ -45,14 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         const="json",
         help="no progress: print the summary as JSON on stdout",
     )
-    audit = sub.add_parser(
-        "audit", help="the borrow checker's verdicts on the project's PyTorch code (plusequals.audit)"
-    )
-    audit.add_argument("--models", action="store_true", help="audit the real models, full size on the meta device")
-    audit.add_argument(
-        "--markdown", action="store_true", help="the README's table (of the strategies, or with --models of the models)"
-    )
-    audit.add_argument("--json", action="store_true", help="the strategies' reports as JSON on stdout")
+    _add_audit(sub)
     summary = sub.add_parser("summary", help="the verdicts and targets of a finished report, again")
     summary.add_argument("dir", nargs="?", default="report", help="the report's directory (default: ./report)")
     summary.add_argument("--json", action="store_true", help="the summary as JSON on stdout")

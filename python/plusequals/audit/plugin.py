@@ -1,0 +1,59 @@
+"""The pytest plugin (entry point ``pytest11``): ``pytest --plusequals-audit`` audits every
+outermost ``nn.Module`` call each test makes (fixtures' setup is not audited) and fails a test
+with findings, showing rustc's diagnostics; ``--plusequals-audit-backward`` also runs a backward
+from each call's outputs that need grad. Off unless asked for: without the options a test runs
+as it would without the plugin.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generator
+
+import pytest
+
+from .diagnostics import build, render
+from .scope import AuditScope
+
+SECTION = "plusequals audit"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("plusequals", "plusequals: rustc's verdicts on PyTorch code")
+    group.addoption(
+        "--plusequals-audit",
+        action="store_true",
+        help="audit every outermost nn.Module call of each test; a test with findings fails",
+    )
+    group.addoption(
+        "--plusequals-audit-backward",
+        action="store_true",
+        help="as --plusequals-audit, and a backward from each call's outputs that need grad",
+    )
+
+
+def _enabled(config: pytest.Config) -> bool:
+    return bool(config.getoption("plusequals_audit") or config.getoption("plusequals_audit_backward"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
+    if not _enabled(item.config):
+        return (yield)
+    scope = AuditScope(backward=bool(item.config.getoption("plusequals_audit_backward")))
+    failed = False
+    try:
+        with scope:
+            result = yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        unused = scope.finish([str(item.path)])
+        calls = [(c.module, c.report) for c in scope.calls]
+        diagnostics = build(calls, unused)
+        if diagnostics:
+            text = render(calls, unused, color=False)
+            item.add_report_section("call", SECTION, text)
+    if not failed and any(d.level == "error" for d in diagnostics):
+        pytest.fail("plusequals audit: the test's module calls broke rustc's rules\n\n" + text, pytrace=False)
+    return result

@@ -1,0 +1,198 @@
+"""The audit of one call (:class:`CallAudit`, what :func:`plusequals.audit` runs) and a scope that
+audits every outermost ``nn.Module`` call a program makes while it is open (:class:`AuditScope`,
+what ``audit run`` and the pytest plugin use).
+
+The scope replaces ``nn.Module.__call__`` (restored on exit): a call made while no audited call
+is running, in the scope's thread, is audited as :func:`plusequals.audit` would audit it; the
+calls it makes (its children, nested calls) belong to it. Unlike ``audit()``, the program's own
+exception propagates (recorded first) and its output is returned unchanged. ``backward=True``
+also runs a backward from the outputs that need grad, keeping the graph and accumulating no
+``.grad`` (so the program's own backward runs as it would have).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Callable, Iterable, Iterator, List, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import _engine_run_backward
+
+from .allow import Allows, source_files
+from .frames import location, user_frame
+from .memory import tensors
+from .mode import Recorder, WriteWatch
+from .modules import ModuleWatch
+from .report import AuditReport
+from .saved import SavedTensors, reachable
+
+__all__ = ["AuditScope", "AuditedCall", "CallAudit", "backward_from", "describe", "roots"]
+
+
+def describe(e: BaseException) -> str:
+    """``Type: first line`` of an exception (what a report keeps of the model's error)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def _differentiable(out: Any) -> List[Tensor]:
+    return [t for t in tensors(out) if t.requires_grad and t.grad_fn is not None]
+
+
+def roots(out: Any) -> List[Any]:
+    """The autograd nodes of ``out``'s tensors that need grad."""
+    return [t.grad_fn for t in _differentiable(out)]
+
+
+def _leaves(nodes: List[Any]) -> List[Tensor]:
+    return [v for n in reachable(nodes) if (v := getattr(n, "variable", None)) is not None]
+
+
+def backward_from(out: Any, keep: bool, leaves: Iterable[Tensor] = ()) -> None:
+    """A backward from the sum of ``out``'s tensors that need grad, by autograd's engine (so the
+    TorchFunctionMode sees what backward recomputes). ``keep``: keep the graph, and put back the
+    ``.grad`` of the graph's leaves and of ``leaves`` (a reentrant checkpoint's parameters are
+    not in the graph) as they were, so the program's own backward runs as it would have."""
+    outs = _differentiable(out)
+    if not outs:
+        raise ValueError("nothing to differentiate: no output requires grad")
+    loss: Tensor = outs[0].sum()
+    for t in outs[1:]:
+        loss = loss + t.sum()
+    kept = {id(t): t for t in [*_leaves([loss.grad_fn]), *leaves]} if keep else {}
+    grads = [(t, None if t.grad is None else t.grad.detach().clone()) for t in kept.values()]
+    try:
+        _engine_run_backward(
+            (loss,), (torch.ones_like(loss),), keep, False, (), allow_unreachable=True, accumulate_grad=True
+        )
+    finally:
+        for t, g in grads:
+            t.grad = g
+
+
+class CallAudit:
+    """The watchers of one audited call of ``model``; ``stop`` is the frame that calls it."""
+
+    def __init__(self, model: Any, args: tuple, kwargs: dict, stop: FrameType) -> None:
+        self.modules = ModuleWatch(stop=stop)
+        if isinstance(model, nn.Module):
+            self.modules.attach(model)
+        else:
+            self.modules.push_root(model, args, kwargs)
+        self.recorder = Recorder()
+        self.saved = SavedTensors(self.modules.current)
+        self.watch = WriteWatch(self.modules, self.saved, self.recorder)
+        self.report = AuditReport(modules=self.modules.watched)
+        self.files = source_files(model)
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[AuditReport]:
+        """Watches what runs inside; fills the report when it ends (raising or not)."""
+        try:
+            with self.saved, self.watch:
+                yield self.report
+        finally:
+            self.watch.tracer.stop()
+            self.modules.detach()
+            self.report.findings = self.recorder.findings()
+            self.report.ops, self.report.calls = self.watch.ops, self.modules.calls
+
+    def backward(self, out: Any, keep: bool, leaves: Iterable[Tensor] = ()) -> None:
+        """The backward phase: errors recorded in ``backward_error``, not raised."""
+        self.watch.phase = "backward"
+        try:
+            backward_from(out, keep, leaves)
+        except Exception as e:
+            self.report.backward_error = describe(e)
+        self.watch.confirm(None)
+
+
+@dataclass
+class AuditedCall:
+    """One outermost module call of a scope: the module's class, where the program called it."""
+
+    module: str
+    caller: str
+    report: AuditReport
+
+
+_ORIGINAL_CALL: Callable[..., Any] = nn.Module.__call__
+_ACTIVE: List["AuditScope"] = []  # the open scope (one at a time)
+
+
+def _audited_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    scope = _ACTIVE[-1] if _ACTIVE else None
+    if scope is None or scope.busy or threading.get_ident() != scope.thread:
+        return _ORIGINAL_CALL(module, *args, **kwargs)
+    return scope.call(module, args, kwargs)
+
+
+@contextlib.contextmanager
+def unscoped() -> Iterator[None]:
+    """Inside, the open scope (if any) audits nothing: ``audit()`` runs its own watch."""
+    scope = _ACTIVE[-1] if _ACTIVE else None
+    busy = scope.busy if scope is not None else False
+    if scope is not None:
+        scope.busy = True
+    try:
+        yield
+    finally:
+        if scope is not None:
+            scope.busy = busy
+
+
+class AuditScope:
+    """Audits each outermost module call made in this thread while open (see the module doc)."""
+
+    def __init__(self, backward: bool = False) -> None:
+        self.backward = backward
+        self.calls: List[AuditedCall] = []
+        self.allows = Allows()
+        self.thread = threading.get_ident()
+        self.busy = False
+        self.unused_allows: List[Tuple[str, str]] = []
+
+    def __enter__(self) -> "AuditScope":
+        if _ACTIVE:
+            raise RuntimeError("an audit scope is already open")
+        _ACTIVE.append(self)
+        nn.Module.__call__ = _audited_call  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        nn.Module.__call__ = _ORIGINAL_CALL  # type: ignore[method-assign]
+        _ACTIVE.remove(self)
+
+    def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        self.busy = True
+        caller = location(user_frame(sys._getframe(2)))
+        unit = CallAudit(module, args, kwargs, stop=sys._getframe())
+        try:
+            with unit.watching() as report:
+                try:
+                    out = _ORIGINAL_CALL(module, *args, **kwargs)
+                except Exception as e:
+                    report.error = describe(e)
+                    raise
+                unit.watch.confirm(roots(out))
+                if self.backward and roots(out):
+                    unit.backward(out, keep=True, leaves=module.parameters())
+        finally:
+            self.busy = False
+            self.allows.watch(unit.files)
+            self.calls.append(AuditedCall(type(module).__qualname__, caller, unit.report))
+        return out
+
+    def finish(self, files: Iterable[str] = ()) -> List[Tuple[str, str]]:
+        """Applies the allows to every call's report (once all ran: an allow in a loop may silence
+        a later call); returns, and keeps in ``unused_allows``, those that silenced nothing."""
+        self.allows.watch(files)
+        for c in self.calls:
+            self.allows.apply(c.report)
+        self.unused_allows = self.allows.unused()
+        return self.unused_allows

@@ -1,0 +1,103 @@
+"""Where a write happened: the frame a finding's ``where`` names (never the line that called the
+audit), the column Python gives for it, and the file a ``where`` string came from.
+
+``where`` is ``path:line`` with the path shortened against ``sys.path`` (:func:`.frames.short_path`);
+:func:`resolve` turns it back into a :class:`Site` with the real file (for ``linecache``), the
+path relative to the working directory (for SARIF) and the column, where one is known.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import FrameType
+from typing import Any, Dict, NamedTuple, Optional, Tuple
+
+from . import frames
+
+__all__ = ["Site", "resolve", "write_site"]
+
+# where -> (column, end column), 1-based, end exclusive: from the frame's co_positions at the write
+_COLUMNS: Dict[str, Tuple[int, int]] = {}
+
+
+def _positions(frame: FrameType) -> Optional[Tuple[int, int]]:
+    """The columns of the instruction ``frame`` is at (3.11+), when it starts and ends on its line."""
+    try:
+        positions = list(frame.f_code.co_positions())[frame.f_lasti // 2]
+    except (AttributeError, IndexError):
+        return None
+    line, end_line, col, end_col = positions
+    if col is None or line != frame.f_lineno:
+        return None
+    return col + 1, (end_col + 1 if end_col is not None and end_line == line else col + 2)
+
+
+def _module_frame(frame: Optional[FrameType], stop: Optional[FrameType], ident: Optional[int]) -> Optional[FrameType]:
+    """The innermost frame of the running module's ``forward`` (or any ``forward``) below ``stop``,
+    else the innermost frame outside the audit's machinery."""
+    first: Optional[FrameType] = None
+    while frame is not None and frame is not stop:
+        code = frame.f_code
+        if code.co_filename not in frames._AUDIT:
+            first = first or frame
+            me = frame.f_locals.get("self") if code.co_varnames[:1] == ("self",) else None
+            if code.co_name == "forward" and (ident is None or id(me) == ident):
+                return frame
+        frame = frame.f_back
+    return first
+
+
+def write_site(frame: FrameType, modules: Any) -> str:
+    """``path:line`` of a write seen at ``frame`` (the dispatch mode's): the innermost user frame
+    below the audit's own frame; when there is none (a ``Sequential``'s ``nn.ReLU(inplace=True)``,
+    torch's code called by torch's code), the frame of the module that wrote, in torch."""
+    stop = getattr(modules, "_stop", None)
+    found = frames.user_frame(frame, stop)
+    if found is None:
+        stack = getattr(modules, "stack", [])
+        found = _module_frame(frame, stop, stack[-1].ident if stack else None)
+    where = frames.location(found)
+    span = _positions(found) if found is not None else None
+    if span is not None:
+        _COLUMNS[where] = span
+    return where
+
+
+class Site(NamedTuple):
+    file: str  # the file as Python ran it (for linecache)
+    path: str  # relative to the working directory when under it, else as ``where`` gave it
+    line: int
+    column: Optional[int] = None  # 1-based
+    end_column: Optional[int] = None  # exclusive
+
+
+def _file_of(short: str) -> str:
+    if os.path.isabs(short):
+        return short
+    for filename, shortened in reversed(list(frames._SHORT.items())):  # the newest, if two files share it
+        if shortened == short:
+            return filename
+    for entry in sys.path:
+        candidate = os.path.join(os.path.abspath(entry or os.curdir), short)
+        if os.path.exists(candidate):
+            return candidate
+    return short
+
+
+def relative(file: str) -> str:
+    """``file`` relative to the working directory when it is under it (SARIF's uri), else as it is."""
+    cwd = os.getcwd() + os.sep
+    return file[len(cwd) :] if file.startswith(cwd) else file
+
+
+def resolve(where: Optional[str]) -> Optional[Site]:
+    """The :class:`Site` of a ``path:line`` string; None for ``?`` or anything else."""
+    if not where or ":" not in where:
+        return None
+    short, _, line = where.rpartition(":")
+    if not line.isdigit():
+        return None
+    file = _file_of(short)
+    column, end = _COLUMNS.get(where, (None, None))
+    return Site(file, relative(file) if os.path.isabs(file) else short, int(line), column, end)

@@ -1,0 +1,264 @@
+"""``python -m plusequals audit run`` (issue 33): the user's program, run as ``__main__`` with its
+own argv, every outermost module call audited; rustc's diagnostics, JSON, SARIF (validated
+against the SARIF 2.1.0 schema), allows, exit statuses. Programs are written into tmp_path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from plusequals.cli.run import main as audit_run
+from plusequals.cli.run import split
+
+SCHEMA = Path(__file__).parent / "data" / "sarif-schema-2.1.0.json"
+PYTHONPATH = str(Path(__file__).resolve().parents[1] / "python")
+
+# Net.gate writes into the h Net still reads (E0596, E0382 at `y + h`, E0502: Linear saved h)
+MODEL = """\
+import sys
+
+import torch
+from torch import nn
+
+
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, h):
+        h.mul_(torch.sigmoid(self.proj(h)))
+        return h
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.out(x)
+        y = self.gate(h)
+        return y + h
+
+
+net = Net()
+for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 1):
+    net(torch.randn(2, 8))
+print("ran with", sys.argv[1:])
+"""
+
+CLEAN = """\
+import sys
+import torch
+from torch import nn
+
+net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+print(net(torch.randn(3, 4)).shape, sys.argv[1:])
+sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+"""
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(
+        [sys.executable, "-m", "plusequals", "audit", "run", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_split_leaves_the_programs_options_to_the_program():
+    assert split(["--format", "json", "s.py", "--format", "x"]) == (["--format", "json"], ["s.py", "--format", "x"])
+    assert split(["--backward", "-m", "pkg", "-m", "z"]) == (["--backward"], ["-m", "pkg", "-m", "z"])
+    assert split(["--moves", "--", "-weird.py", "a"]) == (["--moves"], ["-weird.py", "a"])
+
+
+def test_a_script_in_a_subprocess_its_output_and_argv_intact(tmp_path):
+    write(tmp_path, "model.py", MODEL)
+    proc = run_cli(tmp_path, "model.py", "3")
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout == "ran with ['3']\n"  # the program's stdout is its own
+    err = proc.stderr
+    for code in ("E0596", "E0382", "E0502"):
+        assert f"error[{code}]" in err
+    assert "  --> model.py:13:9\n" in err and "13 |         h.mul_(torch.sigmoid(self.proj(h)))" in err
+    assert "   |         ^^^^^^ aten.mul_.Tensor" in err
+    assert "the same write, seen 3 times" in err  # three calls of the loop: one diagnostic each
+    assert "note: read again here, after the write\n  --> model.py:26:20" in err
+    assert "help: write `h = h * ...`" in err
+    assert err.rstrip().endswith("error: 3 errors (E0596, E0382, E0502) in 3 audited calls")
+    assert max(len(line) for line in err.splitlines()) <= 80
+    assert "\x1b[" not in err  # no colour off a terminal
+
+
+def test_a_package_with_dash_m_its_exit_status_wins(tmp_path):
+    write(tmp_path, "pkg/__init__.py", "")
+    write(tmp_path, "pkg/__main__.py", CLEAN)
+    proc = run_cli(tmp_path, "-m", "pkg", "4")
+    assert proc.returncode == 4 and "torch.Size([3, 2]) ['4']" in proc.stdout, proc.stderr
+    assert proc.stderr.strip() == "no errors in 1 audited call"
+    proc = run_cli(tmp_path, "-m", "pkg")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_program_that_raises_is_reported_with_its_findings_so_far(tmp_path, capsys):
+    write(tmp_path, "boom.py", MODEL.replace('print("ran with", sys.argv[1:])', 'raise RuntimeError("boom")'))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        status = audit_run(["--format", "json", "boom.py", "2"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "Traceback" in err and 'raise RuntimeError("boom")' in err and "runpy" not in err
+    report = json.loads(err[err.index("{") :])
+    assert report["exit_status"] == 1
+    assert {f["code"] for f in report["findings"]} == {"E0596", "E0382", "E0502"}
+    assert all(f["count"] == 2 and f["path"] == "boom.py" for f in report["findings"])
+
+
+def test_a_forward_that_raises_is_named_and_the_summary_is_not_clean(tmp_path, capsys):
+    write(
+        tmp_path,
+        "fails.py",
+        """\
+        import torch
+        from torch import nn
+
+        class Bad(nn.Module):
+            def forward(self, x):
+                return x @ torch.ones(3, 3)
+
+        Bad()(torch.ones(2, 2))
+        """,
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        status = audit_run(["fails.py"])
+    err = capsys.readouterr().err
+    assert status == 1 and "note: the forward of `Bad` raised RuntimeError" in err
+    assert err.rstrip().endswith("no errors before the program raised in 1 audited call")
+
+
+def test_json_has_the_findings_and_what_was_watched(tmp_path):
+    write(tmp_path, "model.py", MODEL)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        assert audit_run(["--format", "json", "--output", "out.json", "model.py", "2"]) == 1
+    report = json.loads((tmp_path / "out.json").read_text())
+    f = {f["code"]: f for f in report["findings"]}
+    assert set(f) == {"E0596", "E0382", "E0502"}
+    keys = {"code", "module", "path", "line", "column", "read_at", "op", "message", "count"}
+    assert all(keys <= set(x) for x in f.values())
+    assert (f["E0596"]["path"], f["E0596"]["line"], f["E0596"]["column"]) == ("model.py", 13, 9)
+    assert f["E0382"]["read_at"] == "model.py:26" and f["E0596"]["module"] == "gate" and f["E0596"]["count"] == 2
+    watched = report["watched"]
+    assert watched["calls"] == 2 and watched["module_calls"] == 8 and watched["ops"] > 0
+
+
+def test_sarif_is_valid_sarif_2_1_0(tmp_path):
+    jsonschema = pytest.importorskip("jsonschema", reason="the test extra (jsonschema) validates SARIF")
+    write(tmp_path, "model.py", MODEL.replace("(self.proj(h)))", "(self.proj(h)))  # plusequals: allow(E0596, E0499)"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        assert audit_run(["--format", "sarif", "-o", "out.sarif", "model.py"]) == 1
+    log = json.loads((tmp_path / "out.sarif").read_text())
+    jsonschema.validate(log, json.loads(SCHEMA.read_text()))
+    (run,) = log["runs"]
+    assert run["tool"]["driver"]["name"] == "plusequals"
+    rules = {r["id"]: r for r in run["tool"]["driver"]["rules"]}
+    assert {"E0596", "E0382", "E0502"} <= set(rules) and all(rules[c]["help"]["text"] for c in ("E0596", "E0502"))
+    results = {r["ruleId"]: r for r in run["results"]}
+    assert set(results) == {"E0382", "E0502", "unused-allow"}  # E0596 allowed; E0499 silenced nothing
+    e0382 = results["E0382"]
+    assert e0382["level"] == "error" and e0382["message"]["text"]
+    location = e0382["locations"][0]["physicalLocation"]
+    assert location["artifactLocation"]["uri"] == "model.py" and location["region"]["startLine"] == 13
+    related = e0382["relatedLocations"][0]["physicalLocation"]
+    assert related["region"] == {"startLine": 26, "startColumn": 20, "endColumn": 21}
+    assert results["unused-allow"]["level"] == "warning" and "E0499" in results["unused-allow"]["message"]["text"]
+
+
+TRAIN = """\
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        h += self.b(h)  # b saved h for backward (only when grad is on)
+        return h
+
+
+class Outer(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.inner, self.reentrant = Inner(), reentrant
+
+    def forward(self, x):
+        if self.reentrant:  # forward under no_grad, recomputed (and saved) in backward
+            return checkpoint(self.inner, x, use_reentrant=True)
+        return self.inner(x).relu()
+
+
+with torch.random.fork_rng():
+    torch.manual_seed(0)
+    model, x = Outer(reentrant=REENTRANT), torch.randn(2, 4, requires_grad=True)
+out = model(x)
+if not REENTRANT:
+    out.sum().backward()
+    print("grad", x.grad.sum().item(), model.inner.a.weight.grad.sum().item())
+"""
+
+
+def test_backward_finds_what_a_recomputation_writes_and_leaves_the_program_alone(tmp_path, capsys):
+    import runpy
+
+    write(tmp_path, "clean.py", "REENTRANT = False\n" + TRAIN.replace("h += self.b(h)", "h = h + self.b(h)"))
+    write(tmp_path, "ckpt.py", "REENTRANT = True\n" + TRAIN)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        runpy.run_path("clean.py", run_name="__main__")
+        alone = capsys.readouterr().out
+        assert audit_run(["--backward", "clean.py"]) == 0
+        audited = capsys.readouterr()
+        assert audit_run(["ckpt.py"]) == 0  # the forward ran under no_grad: nothing saved
+        assert "no errors in 1 audited call" in capsys.readouterr().err
+        assert audit_run(["--backward", "ckpt.py"]) == 1
+        err = capsys.readouterr().err
+    assert alone.startswith("grad ") and audited.out == alone  # the same gradients, accumulated once
+    assert "no errors in 1 audited call" in audited.err
+    assert "error[E0502]" in err and "  --> ckpt.py:14:9" in err and "AddmmBackward0" in err
+
+
+def test_the_old_audit_subcommand_still_parses():
+    from plusequals.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["audit", "--help"])
+    assert e.value.code == 0
+    with pytest.raises(SystemExit) as e:
+        main(["audit", "run"])
+    assert e.value.code == 2
