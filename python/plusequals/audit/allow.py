@@ -46,11 +46,12 @@ def allows_in(file: str) -> Dict[int, FrozenSet[str]]:
 
 def source_files(model: Any) -> Set[str]:
     """The files of the model's code (its modules' classes, or the callable), torch's left out."""
-    objects = [type(m) for m in model.modules()] if isinstance(model, torch.nn.Module) else [model]
+    modules = model.modules() if isinstance(model, torch.nn.Module) else []
+    objects = [getattr(type(m).forward, "__code__", type(m)) for m in modules] or [model]
     files: Set[str] = set()
     for obj in objects:
         try:
-            file = inspect.getsourcefile(obj)
+            file = obj.co_filename if inspect.iscode(obj) else inspect.getsourcefile(obj)
         except (TypeError, OSError):
             file = None
         if file and not os.path.abspath(file).startswith(_TORCH):
@@ -70,9 +71,11 @@ class Allows:
 
     def silences(self, finding: Any) -> bool:
         site = resolve(finding.where)
-        if site is None or finding.code not in allows_in(site.file).get(site.line, ()):
+        if site is None or not os.path.isabs(site.file) or site.file.startswith(_TORCH):
             return False
-        self.files.add(site.file)
+        self.files.add(site.file)  # an allow elsewhere in a file that wrote can be unused
+        if finding.code not in allows_in(site.file).get(site.line, ()):
+            return False
         self.used.add((site.file, site.line, finding.code))
         return True
 

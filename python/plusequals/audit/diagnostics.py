@@ -31,7 +31,7 @@ TITLES: Dict[str, str] = {
 RUST_HELP: Dict[str, str] = {
     "E0596": "in Rust: a move or `&mut`",
     "E0382": "in Rust: clone before the move",
-    "E0502": "in Rust: no `&mut` while autograd holds `&`",
+    "E0502": "in Rust: autograd's `&` forbids `&mut`",
 }
 _AUGMENTED = {"add_": "+", "sub_": "-", "mul_": "*", "div_": "/", "matmul_": "@", "pow_": "**"}
 _ACTIVATIONS = ("relu_", "relu6_", "gelu_", "silu_", "elu_", "leaky_relu_", "hardtanh_", "threshold_", "celu_")
@@ -161,6 +161,7 @@ def _finding(root: str, f: Any, count: int) -> Diagnostic:
     if count > 1:
         notes.append((f"the same write, seen {count} times", None))
     fix = pytorch_fix(f.code, f.op, _source(site), "x" if f.code == "E0502" else arg, writer)
+    fix = fix.split(", or `.clone()`")[0] if f.code == "E0502" else fix  # one line, at 80 columns
     return Diagnostic("error", f.code, title, site, label, tuple(notes), f"{fix}; {RUST_HELP[f.code]}", count, f)
 
 

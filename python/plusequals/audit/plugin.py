@@ -35,25 +35,30 @@ def _enabled(config: pytest.Config) -> bool:
     return bool(config.getoption("plusequals_audit") or config.getoption("plusequals_audit_backward"))
 
 
+def _report(item: pytest.Item, scope: AuditScope, fail: bool) -> None:
+    """Fails the test when its calls broke a rule (``fail``: the test itself passed); otherwise
+    shows the diagnostics (warnings, or findings of a test that failed on its own) beside it."""
+    unused = scope.finish([str(item.path)])
+    calls = [(c.module, c.report) for c in scope.calls]
+    diagnostics = build(calls, unused)
+    if not diagnostics:
+        return
+    text = render(calls, unused, color=False)
+    if fail and any(d.level == "error" for d in diagnostics):
+        pytest.fail("plusequals audit: the test's module calls broke rustc's rules\n\n" + text, pytrace=False)
+    item.add_report_section("call", SECTION, text)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     if not _enabled(item.config):
         return (yield)
     scope = AuditScope(backward=bool(item.config.getoption("plusequals_audit_backward")))
-    failed = False
     try:
         with scope:
             result = yield
     except BaseException:
-        failed = True
+        _report(item, scope, fail=False)
         raise
-    finally:
-        unused = scope.finish([str(item.path)])
-        calls = [(c.module, c.report) for c in scope.calls]
-        diagnostics = build(calls, unused)
-        if diagnostics:
-            text = render(calls, unused, color=False)
-            item.add_report_section("call", SECTION, text)
-    if not failed and any(d.level == "error" for d in diagnostics):
-        pytest.fail("plusequals audit: the test's module calls broke rustc's rules\n\n" + text, pytrace=False)
+    _report(item, scope, fail=True)
     return result

@@ -94,4 +94,4 @@ class AuditReport:
         """The findings as rustc's diagnostics (no colour), then :meth:`summary`."""
         from .diagnostics import render
 
-        return render([("", self)], color=False).rstrip("\n") + "\n" + self.summary()
+        return render([("", self)], self.unused_allows, color=False).rstrip("\n") + "\n" + self.summary()

@@ -1,0 +1,175 @@
+"""What a finding says (issue 33): rustc's diagnostic format, the same write in a loop once with
+its count, colour only on a terminal, allows, a ``where`` that is never the audit's caller, the
+PyTorch fix in the help, ``summary()`` and ``str(report)``; ``plusequals.audit`` a typed
+function (mypy, help())."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import itertools
+import os
+import pydoc
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import plusequals
+from plusequals.audit import Finding, audit
+from plusequals.audit.diagnostics import build, render
+
+_COUNTER = itertools.count()
+
+
+def load(text: str, directory: str):
+    """A module written into ``directory`` and imported from there (its own name each time)."""
+    name = f"user_model_{next(_COUNTER)}"
+    path = os.path.join(directory, name + ".py")
+    Path(path).write_text(textwrap.dedent(text))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RESIDUAL = """\
+import torch
+from torch import nn
+
+
+class Residual(nn.Module):
+    def __init__(self, times):
+        super().__init__()
+        self.lin, self.times = nn.Linear(4, 4), times
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x += self.lin(x){allow}
+        return x
+"""
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(allowed=st.sets(st.sampled_from(["E0596", "E0502", "E0382"])), times=st.integers(1, 4))
+def test_an_allow_silences_its_codes_on_the_writing_line_and_warns_when_unused(allowed, times):
+    """The write gives E0596 and E0502 (Linear saved x); an allow of a subset silences exactly
+    that subset, and each allowed code that silenced nothing is an unused allow. The same write
+    in a loop is one finding with its count."""
+    allow = f"  # plusequals: allow({', '.join(sorted(allowed))})" if allowed else ""
+    with tempfile.TemporaryDirectory() as d:
+        module = load(RESIDUAL.format(allow=allow), d)
+        report = audit(module.Residual(times), torch.randn(2, 4))
+    assert set(report.codes) == {"E0596", "E0502"} - allowed
+    assert {f.code for f in report.allowed} == {"E0596", "E0502"} & allowed
+    assert sorted(code for _, code in report.unused_allows) == sorted(allowed - {"E0596", "E0502"})
+    assert all(f.count == times for f in report.findings + report.allowed)
+    text = str(report)
+    assert text.count("error[E0596]") == ("E0596" not in allowed)
+    if times > 1 and report.findings:
+        assert f"the same write, seen {times} times" in text
+    assert ("warning: unused allow: E0382" in text) == ("E0382" in allowed)
+
+
+INPLACE = [
+    lambda: nn.ReLU(inplace=True),
+    lambda: nn.LeakyReLU(0.1, inplace=True),
+    lambda: nn.Hardtanh(inplace=True),
+    lambda: nn.SiLU(inplace=True),
+]
+
+
+@settings(max_examples=10, deadline=None)
+@given(which=st.integers(0, len(INPLACE) - 1), depth=st.integers(1, 3))
+def test_where_is_never_the_audits_caller_and_help_names_the_pytorch_fix(which, depth):
+    """A Sequential's in-place child writes in torch's code, called by torch's code: the finding
+    points at that child's forward, not at this line (issue 33, item 10)."""
+    model: nn.Module = nn.Sequential(nn.Linear(4, 4), INPLACE[which]())
+    for _ in range(depth - 1):
+        model = nn.Sequential(model)
+    x = torch.randn(2, 4)
+    report = audit(model, x)
+    here = f"{Path(__file__).name}:"
+    assert report.findings and all(here not in f.where for f in report.findings), report.findings
+    assert all(f.where.startswith("torch/nn/modules/activation.py:") for f in report.findings)
+    (diagnostic,) = [d for d in build([("Sequential", report)]) if d.code == "E0596"]
+    assert diagnostic.help.startswith("pass `inplace=False`") or "inplace=False" in diagnostic.help
+
+
+def test_summary_is_never_clean_when_the_forward_raised():
+    class Raises(nn.Module):
+        def forward(self, x):
+            return x @ torch.ones(3, 3)
+
+    report = audit(Raises(), torch.ones(2, 2))
+    assert report.error and "clean" not in report.summary()
+    assert report.summary().startswith("no findings before the error")
+    assert "note: the forward of `(root)` raised RuntimeError" in str(report)
+    assert audit(nn.Linear(2, 2), torch.ones(2, 2)).summary().startswith("clean")
+
+
+def test_str_of_a_report_is_rustcs_format():
+    with tempfile.TemporaryDirectory() as d:
+        module = load(RESIDUAL.format(allow=""), d)
+        report = audit(module.Residual(1), torch.randn(2, 4))
+        text = str(report)
+    path = report.findings[0].where.rsplit(":", 1)[0]  # the file is not under sys.path: as Python named it
+    assert text.startswith("error[E0596]: `(root)` wrote into `x`, which it only borrowed\n")
+    assert f"  --> {path}:12:13\n" in text
+    assert "12 |             x += self.lin(x)\n   |             ^^^^ aten.add_.Tensor writes into `x`" in text
+    assert "help: write `x = x + ...`" in text and "Finding(" not in text
+    assert text.splitlines()[-2] == "error: 2 errors (E0596, E0502) in 1 audited call"
+    assert text.splitlines()[-1] == report.summary()
+    assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_colour_only_on_a_terminal():
+    report = audit(nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True)), torch.randn(2, 4))
+    plain, coloured = io.StringIO(), io.StringIO()
+    render([("Net", report)], file=plain)  # not a terminal
+    render([("Net", report)], file=coloured, color=True)
+    assert "error[E0596]" in plain.getvalue() and "\x1b[" not in plain.getvalue()
+    assert "\x1b[" in coloured.getvalue()
+
+
+def test_moves_are_listed_only_when_asked():
+    report = audit(nn.Linear(2, 2), torch.ones(2, 2))
+    report.moves = [Finding("move", "act", "model.py:3", "aten.relu_.default", "a move")]  # issue 31's records
+    assert "moved its argument" not in render([("Net", report)])
+    text = render([("Net", report)], moves=True)
+    assert "note: `Net.act` moved its argument" in text and "no errors in 1 audited call" in text
+
+
+def test_help_shows_the_function():
+    doc = pydoc.render_doc(plusequals.audit, renderer=pydoc.plaintext)
+    assert "function audit" in doc and "AuditReport" in doc and "package" not in doc.split("\n")[0]
+
+
+def test_mypy_accepts_the_readmes_call(tmp_path):
+    """The README's ``plusequals.audit(block, x, c)`` type-checks (it was "Module not callable");
+    torch itself is skipped, to keep this a few seconds."""
+    (tmp_path / "use.py").write_text(
+        "import torch\nimport plusequals\n\nblock = plusequals.BasicTransformerBlock(32, 2, 16, 24)\n"
+        "x, c = torch.randn(2, 16, 32), torch.randn(2, 7, 24)\n"
+        "report: plusequals.AuditReport = plusequals.audit(block, x, c)\nwrong: int = plusequals.audit(block, x)\n"
+    )
+    skipped = "torch.*,numpy.*,rich.*,matplotlib.*,diffusers.*,jax.*,onnx.*,onnxruntime.*,hypothesis.*"
+    (tmp_path / "mypy.ini").write_text(f"[mypy]\nfollow_imports = silent\n[mypy-{skipped}]\nfollow_imports = skip\n")
+    env = {**os.environ, "MYPYPATH": str(Path(plusequals.__file__).parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--cache-dir", str(tmp_path / "cache"), "use.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    # exactly one error: the deliberate one (an AuditReport is no int), so the call was typed
+    assert proc.stdout.count("error:") == 1, proc.stdout
+    assert 'use.py:7: error: Incompatible types in assignment (expression has type "AuditReport"' in proc.stdout
