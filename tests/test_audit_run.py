@@ -262,3 +262,23 @@ def test_the_old_audit_subcommand_still_parses():
     with pytest.raises(SystemExit) as e:
         main(["audit", "run"])
     assert e.value.code == 2
+
+
+def _between(text: str, marker: str) -> str:
+    block = text[text.index(f"<!-- {marker} -->") : text.index(f"<!-- /{marker} -->")]
+    return block[block.index("```") : block.rindex("```")].split("\n", 1)[1]
+
+
+def test_the_readme_example_is_a_real_run(tmp_path, capsys):
+    """README's "Audit your model": its model.py, run by `audit run`, prints the excerpt shown
+    (each of its paragraphs is one of the output's, and the output has no other errors)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    write(tmp_path, "model.py", _between(readme, "audit-run-example"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        assert audit_run(["model.py"]) == 1
+    out = capsys.readouterr().err
+    paragraphs = out.strip().split("\n\n")
+    excerpt = _between(readme, "audit-run-output").strip().split("\n\n")
+    assert all(p in paragraphs for p in excerpt), out
+    assert [p.split(":")[0] for p in paragraphs] == ["error[E0596]", "error[E0382]", "error[E0502]", "error"]

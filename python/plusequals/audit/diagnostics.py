@@ -80,8 +80,9 @@ def _span(site: Site, line: str, op: str, name: Optional[str] = None) -> Tuple[i
     lo = start - 1 if start else 0
     hi = end - 1 if start and end and end > start else len(line)
     for pattern in patterns:
-        m = re.search(pattern, line[lo:hi])
-        if m:
+        found = list(re.finditer(pattern, line[lo:hi]))
+        if found:  # a name read after the write: its last use on the line (the call came first)
+            m = found[-1] if name else found[0]
             return lo + m.start() + 1, lo + m.end() + 1
     if start and end and end > start:
         return start, end
@@ -119,7 +120,7 @@ def pytorch_fix(code: str, op: str, line: str, name: str, writer: Optional[str] 
         return "drop `out=` and bind the result: `y = op(...)`"
     n = _receiver(line, op, name)
     if code == "E0382":
-        return f"pass `{name}.clone()` to the call that writes, or make that write out of place"
+        return f"pass `{name}.clone()` to the call that writes"
     if base in _AUGMENTED:
         return f"write `{n} = {n} {_AUGMENTED[base]} ...`, or `.clone()` it first"
     if base in _COPIES:
