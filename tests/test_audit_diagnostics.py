@@ -173,3 +173,26 @@ def test_mypy_accepts_the_readmes_call(tmp_path):
     # exactly one error: the deliberate one (an AuditReport is no int), so the call was typed
     assert proc.stdout.count("error:") == 1, proc.stdout
     assert 'use.py:7: error: Incompatible types in assignment (expression has type "AuditReport"' in proc.stdout
+
+
+def test_a_scope_audits_outermost_calls_of_its_thread_only_and_leaves_audit_to_itself():
+    import threading
+
+    from plusequals.audit.scope import AuditScope
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))
+    inner, original = nn.Sequential(model), nn.Module.__call__
+    with AuditScope() as scope:
+        assert nn.Module.__call__ is not original
+        thread = threading.Thread(target=lambda: model(torch.randn(2, 4)))
+        thread.start()
+        thread.join()
+        assert scope.calls == []  # another thread's call: not audited
+        report = audit(model, torch.randn(2, 4))  # audit() inside a scope: its own watch only
+        assert report.codes == ["E0596"] and scope.calls == []
+        inner(torch.randn(2, 4))
+        inner(torch.randn(2, 4))
+    assert nn.Module.__call__ is original  # restored
+    assert [c.module for c in scope.calls] == ["Sequential", "Sequential"]  # the outermost, once a call
+    assert all(c.report.calls == 4 and c.report.codes == ["E0596"] for c in scope.calls)
+    assert all(c.report.findings[0].module == "0.1" for c in scope.calls)  # nested: named from the outermost

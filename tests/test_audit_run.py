@@ -109,14 +109,17 @@ def test_a_script_in_a_subprocess_its_output_and_argv_intact(tmp_path):
     assert "\x1b[" not in err  # no colour off a terminal
 
 
-def test_a_package_with_dash_m_its_exit_status_wins(tmp_path):
-    write(tmp_path, "pkg/__init__.py", "")
-    write(tmp_path, "pkg/__main__.py", CLEAN)
-    proc = run_cli(tmp_path, "-m", "pkg", "4")
+def test_a_package_with_dash_m_its_exit_status_wins(tmp_path, capsys):
+    write(tmp_path, "audited_pkg/__init__.py", "")
+    write(tmp_path, "audited_pkg/__main__.py", CLEAN)
+    proc = run_cli(tmp_path, "-m", "audited_pkg", "4")
     assert proc.returncode == 4 and "torch.Size([3, 2]) ['4']" in proc.stdout, proc.stderr
     assert proc.stderr.strip() == "no errors in 1 audited call"
-    proc = run_cli(tmp_path, "-m", "pkg")
-    assert proc.returncode == 0, proc.stderr
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        mp.setattr(sys, "modules", dict(sys.modules))  # audited_pkg is imported: not for later tests
+        assert audit_run(["-m", "audited_pkg"]) == 0
+    assert capsys.readouterr().out == "torch.Size([3, 2]) []\n"
 
 
 def test_a_program_that_raises_is_reported_with_its_findings_so_far(tmp_path, capsys):
