@@ -120,7 +120,7 @@ def test_str_of_a_report_is_rustcs_format():
         report = audit(module.Residual(1), torch.randn(2, 4))
         text = str(report)
     path = report.findings[0].where.rsplit(":", 1)[0]  # the file is not under sys.path: as Python named it
-    assert text.startswith("error[E0596]: `(root)` wrote into `x`, which it only borrowed\n")
+    assert text.startswith("error[E0596]: `(root)` (Residual) wrote into `x`, which it only borrowed\n")
     assert f"  --> {path}:12:13\n" in text
     assert "12 |             x += self.lin(x)\n   |             ^^^^ aten.add_.Tensor writes into `x`" in text
     assert "help: write `x = x + ...`" in text and "Finding(" not in text

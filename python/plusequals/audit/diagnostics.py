@@ -140,7 +140,10 @@ def _module(root: str, module: str) -> str:
 
 
 def _finding(root: str, f: Any, count: int) -> Diagnostic:
-    site = _at(resolve(f.where), f.op)
+    site = resolve(f.where)
+    if site is not None and getattr(f, "column", None):  # a finding that carries its own column
+        site = site._replace(column=f.column, end_column=None)
+    site = _at(site, f.op)
     writer = getattr(f, "writer", None)
     module = _module(root, f.module)
     arg = _backticked(f.message, "argument ") or _backticked(f.message) or "x"
@@ -157,7 +160,9 @@ def _finding(root: str, f: Any, count: int) -> Diagnostic:
             where = f" in `{_module(root, saver.group(2))}`" if saver.group(2) is not None else ""
             notes.append((f"{saver.group(1)}{where} saved it for backward ({saver.group(3)})", None))
     else:
-        title = f"`{module}` wrote into `{arg}`, which it only borrowed"
+        cls = re.match(r"`[^`]*` \(([\w.]+)\)", f.message)
+        named = f" ({cls.group(1)})" if cls and not re.search(r"[A-Za-z_]\w*$", module) else ""  # Sequential.1
+        title = f"`{module}`{named} wrote into `{arg}`, which it only borrowed"
         label = f"{f.op} writes into `{arg}`" + (f", through {writer}" if writer else "")
     if count > 1:
         notes.append((f"the same write, seen {count} times", None))
@@ -235,7 +240,8 @@ def _header(d: Diagnostic) -> Text:
 def _snippet(console: Console, site: Site, label: str, gutter: int, style: str, more: bool = False) -> None:
     """`` --> path:line:col``, then the source line and the caret with its label, as rustc."""
     column = f":{site.column}" if site.column else ""
-    console.print(Text(" " * (gutter - 1) + "--> ", "bold blue") + Text(f"{site.path}:{site.line}{column}"))
+    arrow = Text(" " * (gutter - 1) + "--> ", "bold blue") + Text(f"{site.path}:{site.line}{column}")
+    console.print(arrow, soft_wrap=True)
     line = _source(site)
     if not line:
         return

@@ -9,6 +9,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .diagnostics import RUST_HELP, TITLES, Diagnostic, build
 from .report import CODES
+from .sites import relative
 
 __all__ = ["to_json", "to_sarif"]
 
@@ -85,7 +86,9 @@ def to_json(
     }
 
 
-def _uri(path: str) -> Dict[str, str]:
+def _uri(site: Any) -> Dict[str, str]:
+    """Relative to the working directory (``SRCROOT``) when the file is under it, else absolute."""
+    path = relative(site.file) if os.path.isabs(site.file) else site.path
     if os.path.isabs(path):
         return {"uri": "file://" + urllib.parse.quote(path)}
     return {"uri": urllib.parse.quote(path.replace(os.sep, "/")), "uriBaseId": "SRCROOT"}
@@ -97,7 +100,7 @@ def _location(site: Any, message: Optional[str] = None, ident: Optional[int] = N
         region["startColumn"] = site.column
         if site.end_column and site.end_column > site.column:
             region["endColumn"] = site.end_column
-    out: Dict[str, Any] = {"physicalLocation": {"artifactLocation": _uri(site.path), "region": region}}
+    out: Dict[str, Any] = {"physicalLocation": {"artifactLocation": _uri(site), "region": region}}
     if message is not None:
         out["message"] = {"text": message}
     if ident is not None:

@@ -66,7 +66,7 @@ def write_site(frame: FrameType, modules: Any) -> str:
 
 class Site(NamedTuple):
     file: str  # the file as Python ran it (for linecache)
-    path: str  # relative to the working directory when under it, else as ``where`` gave it
+    path: str  # relative to the working directory when under it, else as ``where`` gave it (short)
     line: int
     column: Optional[int] = None  # 1-based
     end_column: Optional[int] = None  # exclusive
@@ -100,4 +100,5 @@ def resolve(where: Optional[str]) -> Optional[Site]:
         return None
     file = _file_of(short)
     column, end = _COLUMNS.get(where, (None, None))
-    return Site(file, relative(file) if os.path.isabs(file) else short, int(line), column, end)
+    shown = relative(file) if os.path.isabs(file) else short
+    return Site(file, short if os.path.isabs(shown) else shown, int(line), column, end)

@@ -31,8 +31,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m plusequals audit run",
         usage="%(prog)s [options] (SCRIPT | -m MODULE) [ARGS...]",
-        description=__doc__.split("\n\n")[0].replace("``", "`"),
-        epilog="Exit status: the program's own if it failed, else 1 with findings, else 0.",
+        description="Runs a program as __main__ with its own sys.argv (as python -m cProfile does) and audits "
+        "every outermost nn.Module call it makes: rustc's verdicts E0596, E0382, E0502, with their lines.",
+        epilog="The program's output is its own; the audit's goes to --output FILE, else to stderr. Exit status: "
+        "the program's own if it failed (1 if it raised), else 1 when the audit found errors, else 0.",
     )
     p.add_argument("--backward", action="store_true", help="also a backward from each call's outputs that need grad")
     p.add_argument("--format", choices=["text", "json", "sarif"], default="text", help="default: text (rustc's)")
