@@ -177,8 +177,10 @@ def _merged(calls: Iterable[Tuple[str, Any]]) -> List[Tuple[str, Any, int]]:
     found: Dict[tuple, List[Any]] = {}
     for root, report in calls:
         for f in report.findings:
-            entry = found.setdefault((root, f.key()), [root, f, 0])
-            entry[2] += getattr(f, "count", 1)
+            key = f.key() if hasattr(f, "key") else (f.code, f.module, f.where, f.op)  # a move record, maybe
+            entry = found.setdefault((root, key), [root, f, 0])
+            count = getattr(f, "count", 1)
+            entry[2] += count if isinstance(count, int) else 1
     return [tuple(e) for e in found.values()]  # type: ignore[misc]
 
 
@@ -195,14 +197,14 @@ def _raised(calls: Sequence[Tuple[str, Any]]) -> List[Diagnostic]:
 
 
 def _moves(calls: Sequence[Tuple[str, Any]]) -> List[Diagnostic]:
+    """Issue 31's moves (a write into a temporary nothing else holds: no finding), as notes."""
     out = []
     for root, m, count in _merged((r, _MovesOnly(getattr(rep, "moves", []))) for r, rep in calls):
-        site = resolve(m.where)
-        label = f"{m.op} writes into a temporary nothing else holds: a move, no finding"
-        text = f"`{_module(root, m.module)}` moved its argument" + (
-            f" ({m.writer})" if getattr(m, "writer", None) else ""
-        )
-        out.append(Diagnostic("note", "move", text, site, label, (), "", count, m))
+        writer = getattr(m, "writer", None)
+        text = f"`{_module(root, m.module)}` moved its argument" + (f" ({writer})" if writer else "")
+        label = f"{m.op}: a write into a temporary nothing else holds"
+        notes = ((f"seen {count} times", None),) if count > 1 else ()
+        out.append(Diagnostic("note", "move", text, _at(resolve(m.where), m.op), label, notes, "", count, m))
     return out
 
 
