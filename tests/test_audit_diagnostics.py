@@ -196,3 +196,36 @@ def test_a_scope_audits_outermost_calls_of_its_thread_only_and_leaves_audit_to_i
     assert [c.module for c in scope.calls] == ["Sequential", "Sequential"]  # the outermost, once a call
     assert all(c.report.calls == 4 and c.report.codes == ["E0596"] for c in scope.calls)
     assert all(c.report.findings[0].module == "0.1" for c in scope.calls)  # nested: named from the outermost
+
+
+NAMES = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True).filter(lambda s: s not in {"in", "is", "if", "or"})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=NAMES,
+    indent=st.integers(0, 12),
+    op=st.sampled_from(["add_", "mul_", "sub_", "div_", "clamp_", "copy_", "sigmoid_"]),
+    augmented=st.booleans(),
+)
+def test_the_caret_is_under_the_write_and_the_help_names_its_variable(name, indent, op, augmented):
+    """Generated write lines: ``x.op_(...)`` or ``x += ...``; the caret starts at the receiver
+    and covers the method (or the operator), and the help rewrites that very variable."""
+    from plusequals.audit.diagnostics import _span, pytorch_fix
+    from plusequals.audit.sites import Site
+
+    symbol = {"add_": "+", "mul_": "*", "sub_": "-", "div_": "/"}.get(op)
+    augmented = augmented and symbol is not None
+    code = f"{name} {symbol}= other" if augmented else f"{name}.{op}(other)"
+    line = " " * indent + code + "  # trailing"
+    start, end = _span(Site("f.py", "f.py", 1), line, f"aten.{op}.Tensor")
+    underlined = line[start - 1 : end - 1]
+    assert start == indent + 1
+    assert underlined == (f"{name} {symbol}=" if augmented else f"{name}.{op}")
+    fix = pytorch_fix("E0596", f"aten.{op}.Tensor", line, "arg")
+    if op == "copy_":
+        assert fix == f"write into a copy: `{name} = {name}.clone()` first"
+    elif symbol is not None:
+        assert fix.startswith(f"write `{name} = {name} {symbol} ...`")
+    else:
+        assert fix.startswith(f"write `{name} = {name}.{op[:-1]}(...)`")
