@@ -285,3 +285,45 @@ def test_the_readme_example_is_a_real_run(tmp_path, capsys):
     excerpt = _between(readme, "audit-run-output").strip().split("\n\n")
     assert all(p in paragraphs for p in excerpt), out
     assert [p.split(":")[0] for p in paragraphs] == ["error[E0596]", "error[E0382]", "error[E0502]", "error"]
+
+
+SKIP = """\
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x += self.lin(x)
+        return x
+
+
+block = Block()
+with torch.no_grad():
+    for _ in range(2):
+        x = torch.randn(2, 4)
+        h = x
+        x = block(x)
+        print((x + h).shape)
+"""
+
+
+def test_a_read_at_the_programs_level_after_the_outermost_call_wrote_is_E0382(tmp_path, capsys):
+    """The UNet skip in the program itself: `h` still holds what the block wrote into; `x` is
+    bound again before it is read (no finding for it); a program that never reads `h` again has
+    E0596 only."""
+    write(tmp_path, "skip.py", SKIP)
+    write(tmp_path, "noread.py", SKIP.replace("print((x + h).shape)", "del h\n        print(x.shape)"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        assert audit_run(["--format", "json", "skip.py"]) == 1
+        found = json.loads(capsys.readouterr().err)["findings"]
+        assert audit_run(["--format", "json", "noread.py"]) == 1
+        alone = json.loads(capsys.readouterr().err)["findings"]
+    assert [(f["code"], f["count"]) for f in found] == [("E0596", 2), ("E0382", 2)]
+    assert found[1]["read_at"] == "skip.py:21" and "`h` is read" in found[1]["message"]
+    assert [f["code"] for f in alone] == ["E0596"]

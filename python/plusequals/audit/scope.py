@@ -17,18 +17,18 @@ import sys
 import threading
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, Iterable, Iterator, List, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import _engine_run_backward
 
 from .allow import Allows, source_files
-from .frames import location, user_frame
-from .memory import tensors
+from .frames import MoveTracer, holders, location, user_frame
+from .memory import Span, span, tensors
 from .mode import Recorder, WriteWatch
-from .modules import ModuleWatch
-from .report import AuditReport
+from .modules import Arg, ModuleWatch, arguments
+from .report import AuditReport, Finding
 from .saved import SavedTensors, reachable
 
 __all__ = ["AuditScope", "AuditedCall", "CallAudit", "backward_from", "describe", "roots"]
@@ -121,6 +121,54 @@ class AuditedCall:
     report: AuditReport
 
 
+def _version(t: Tensor) -> Optional[int]:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor keeps no version
+        return None
+
+
+def _versions(args: Tuple[Arg, ...]) -> List[Tuple[Span, Tensor, Optional[int]]]:
+    return [(a.span, a.tensor, _version(a.tensor)) for a in args]
+
+
+class CallerReads:
+    """After an outermost call wrote into its argument (``E0596`` in the outermost module), the
+    names of the caller's frame that held that memory are moved: the first read of one, before
+    the next outermost call or the scope's end, is an ``E0382`` of that call (the UNet skip's
+    ``h = x; x = block(x); x + h``, at the program's own level)."""
+
+    def __init__(self) -> None:
+        self.tracer: Optional[MoveTracer] = None
+
+    def watch(self, frame: Optional[FrameType], report: AuditReport, written: List[Span]) -> None:
+        write = next((f for f in report.findings if f.code == "E0596" and f.module == ""), None)
+        if frame is None or write is None or not written:
+            return
+
+        def overlaps(value: Any) -> bool:
+            other = span(value) if isinstance(value, Tensor) else None
+            return other is not None and any(other.overlaps(w) for w in written)
+
+        def read(at: FrameType, name: str, _: Any) -> None:
+            message = (
+                f"`{name}` is read after `(root)` wrote into its value ({write.op} at {write.where}): "
+                "the value was moved into the module, and this is a use after move"
+            )
+            report.findings.append(Finding("E0382", "", write.where, write.op, message, location(at)))
+
+        self.tracer = MoveTracer(read)
+        with torch._C.DisableTorchFunction():
+            names = list(holders(frame, overlaps))
+        for name in names:
+            self.tracer.watch(frame, name, write)
+
+    def stop(self) -> None:
+        if self.tracer is not None:
+            self.tracer.stop()
+            self.tracer = None
+
+
 _ORIGINAL_CALL: Callable[..., Any] = nn.Module.__call__
 _ACTIVE: List["AuditScope"] = []  # the open scope (one at a time)
 
@@ -156,6 +204,7 @@ class AuditScope:
         self.thread = threading.get_ident()
         self.busy = False
         self.unused_allows: List[Tuple[str, str]] = []
+        self.reads = CallerReads()
 
     def __enter__(self) -> "AuditScope":
         if _ACTIVE:
@@ -165,13 +214,17 @@ class AuditScope:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.reads.stop()
         nn.Module.__call__ = _ORIGINAL_CALL  # type: ignore[method-assign]
         _ACTIVE.remove(self)
 
     def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         self.busy = True
-        caller = location(user_frame(sys._getframe(2)))
+        self.reads.stop()
+        frame = user_frame(sys._getframe(2))
+        caller = location(frame)
         unit = CallAudit(module, args, kwargs, stop=sys._getframe())
+        versions = _versions(arguments(module, args, kwargs))
         try:
             with unit.watching() as report:
                 try:
@@ -186,6 +239,7 @@ class AuditScope:
             self.busy = False
             self.allows.watch(unit.files)
             self.calls.append(AuditedCall(type(module).__qualname__, caller, unit.report))
+        self.reads.watch(frame, unit.report, [s for s, t, v in versions if _version(t) != v])
         return out
 
     def finish(self, files: Iterable[str] = ()) -> List[Tuple[str, str]]:
