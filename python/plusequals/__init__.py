@@ -14,7 +14,14 @@ import torch  # noqa: F401  (must precede the extension)
 
 from . import audit  # plusequals.audit(model, *args): a callable module (see plusequals.audit)
 from .audit import AuditReport, Finding
-from .errors import DonationConsumed, OwnershipError, StaleBlock, UnsupportedBlockError, WeightsChanged
+from .errors import (
+    DonationConsumed,
+    OwnershipError,
+    StaleBlock,
+    UnsupportedBlockError,
+    UseAfterDonation,
+    WeightsChanged,
+)
 from .model.blocks import GEGLU, STRATEGIES, BasicTransformerBlock, CrossAttention, FeedForward
 from .twin.block import CppBlock, RustBlock
 from .twin.config import BlockConfig
@@ -45,6 +52,7 @@ __all__ = [
     "StaleBlock",
     "SwapHandle",
     "UnsupportedBlockError",
+    "UseAfterDonation",
     "WeightsChanged",
     "audit",
     "sd_v1_unet_config",
