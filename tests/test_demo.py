@@ -144,3 +144,26 @@ def test_help_is_plain_text(capsys):
         out = capsys.readouterr().out
         assert exit.value.code == 0 and "usage: python -m plusequals" in out
         assert "`" not in out and "**" not in out, out
+
+
+def _features(manifest: list[str], *flags: str) -> set[tuple[str, str]]:
+    """(package, features) for every package cargo resolves (no build: ``cargo tree``); a package
+    built for the host and for the target may appear twice."""
+    cmd = ["cargo", "tree", "--prefix", "none", "--format", "{p}|{f}", "-e", "normal,build,dev", *flags, *manifest]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=demo.cargo_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    pairs = (ln.split("|", 1) for ln in proc.stdout.splitlines() if "|" in ln)
+    return {(p.split(" (")[0], f.split(" (")[0]) for p, f in pairs if not p.startswith("plusequals")}
+
+
+def test_the_demo_crate_resolves_the_features_clippy_checked(tmp_path):
+    """The demo's cargo check reuses make lint's check of tch instead of making a second one:
+    every package it shares with clippy's build (--all-targets --features python) is resolved
+    with the same features (without the dev-dependencies, trybuild's serde turned serde_core's
+    alloc on in one and off in the other, and tch was checked twice: 380 MB, about a minute)."""
+    demo.scratch_crate(demo.read_cases(), tmp_path)
+    ours = _features(["--manifest-path", str(tmp_path / "Cargo.toml")])
+    clippy = _features(["--manifest-path", str(demo.REPO / "Cargo.toml")], "--all-targets", "--features", "python")
+    shared = {p for p, _ in ours} & {p for p, _ in clippy}
+    assert {"tch v0.24.0", "torch-sys v0.24.0", "pyo3 v0.24.2"} <= shared, shared
+    assert {pf for pf in ours if pf[0] in shared} == {pf for pf in clippy if pf[0] in shared}

@@ -63,10 +63,26 @@ def cargo_env() -> dict[str, str]:
     return env
 
 
-def check_cases(cases: list[Case], console: Console) -> dict[str, tuple[list[str], str]]:
-    """``cargo check`` every case and its ``_fixed`` twin as binaries of a scratch crate that
-    depends on this one. Returns, per binary, its error codes and its first rendered error."""
-    project = REPO / "target" / "demo-compile-fail"
+def _dev_dependencies() -> list[str]:
+    """The crate's dev-dependencies, as dependencies of the scratch crate. clippy's check (make
+    lint: --all-targets) builds with them, and they add features to shared crates (trybuild's serde
+    turns on serde_core's ``alloc``, which changes serde, safetensors and tch): with the same
+    features the scratch crate reuses clippy's check of tch instead of checking it again."""
+    import tomllib
+
+    manifest = tomllib.loads((REPO / "Cargo.toml").read_text())
+    return [f"{name} = {_toml_value(spec)}" for name, spec in manifest.get("dev-dependencies", {}).items()]
+
+
+def _toml_value(spec) -> str:
+    if isinstance(spec, dict):  # an inline table; strings, booleans and lists of strings read the same in JSON
+        return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in spec.items()) + " }"
+    return json.dumps(spec)
+
+
+def scratch_crate(cases: list[Case], project: Path) -> list[str]:
+    """Writes the scratch crate whose binaries are the cases and their ``_fixed`` twins, depending
+    on this one; returns the binaries' names."""
     project.mkdir(parents=True, exist_ok=True)
     bins = [c.name for c in cases] + [f"{c.name}_fixed" for c in cases]
     manifest = [
@@ -79,15 +95,24 @@ def check_cases(cases: list[Case], console: Console) -> dict[str, tuple[list[str
         "[workspace]",
         "",
         "[dependencies]",
-        # The python feature, as in make lint's clippy: the dependencies' check (tch's above all)
-        # is then the one clippy already made, in the same target dir.
+        # The python feature and the dev-dependencies, as in make lint's clippy: the dependencies'
+        # check (tch's above all) is then the one clippy already made, in the same target dir.
         f'plusequals = {{ path = {json.dumps(str(REPO))}, features = ["python"] }}',
         'tch = "=0.24.0"',
+        *_dev_dependencies(),
     ]
     for b in bins:
         manifest += ["", "[[bin]]", f'name = "{b}"', f"path = {json.dumps(str(UI / (b + '.rs')))}"]
     (project / "Cargo.toml").write_text("\n".join(manifest) + "\n")
     shutil.copy(REPO / "Cargo.lock", project / "Cargo.lock")
+    return bins
+
+
+def check_cases(cases: list[Case], console: Console) -> dict[str, tuple[list[str], str]]:
+    """``cargo check`` every case and its ``_fixed`` twin as binaries of a scratch crate that
+    depends on this one. Returns, per binary, its error codes and its first rendered error."""
+    project = REPO / "target" / "demo-compile-fail"
+    bins = scratch_crate(cases, project)
     cmd = [
         "cargo",
         "check",
@@ -97,7 +122,7 @@ def check_cases(cases: list[Case], console: Console) -> dict[str, tuple[list[str
         "--manifest-path",
         str(project / "Cargo.toml"),
     ]
-    with console.status("cargo check on the compile-fail cases (the first run builds torch-sys: a minute or two)"):
+    with console.status("cargo check on the compile-fail cases (after make lint: the cases alone, seconds)"):
         proc = subprocess.run(cmd, capture_output=True, text=True, env=cargo_env())
     found: dict[str, tuple[list[str], str]] = {b: ([], "") for b in bins}
     for line in proc.stdout.splitlines():
