@@ -19,7 +19,7 @@ from boundary_helpers import (
     snapshot,
     unchanged,
 )
-from plusequals import DonatedTensor, OwnershipError, RustBlock
+from plusequals import DonatedTensor, DonationConsumed, OwnershipError, RustBlock, UseAfterDonation
 
 
 @pytest.fixture
@@ -73,16 +73,21 @@ def test_forward_owned_donate_returns_x_buffer_and_invalidates_x(small):
         "x.shape": lambda: x.shape,
         "x.sum()": lambda: x.sum(),
         "torch.add": lambda: torch.add(x, 1),
-        "repr": lambda: repr(x),
         "x.clone()": lambda: x.clone(),
         "x[0]": lambda: x[0],
         "forward(x)": lambda: rust.forward(x, c),
         "forward_owned(x)": lambda: rust.forward_owned(x, c),
         "forward(context=x)": lambda: rust.forward(y.clone(), x),
     }
+    named = {"x + 1": "add", "x.shape": "shape (get)", "x.sum()": "sum", "torch.add": "add", "x.clone()": "clone"}
     for what, use in uses.items():
-        with pytest.raises(RuntimeError, match="donated"):
+        with pytest.raises(RuntimeError, match="donated") as e:
             use()
+        if what in named:  # a use of x itself: the class and the operation, by name
+            assert isinstance(e.value, UseAfterDonation) and isinstance(e.value, DonationConsumed), what
+            assert e.value.op == named[what] and f"({named[what]})" in str(e.value), what
+    for show in (repr, str, "{}".format):  # debuggers and loggers print it
+        assert "donated" in show(x) and "DonatedTensor" in show(x)
     with pytest.raises(RuntimeError, match="context is a donated tensor"):
         rust.forward(y.clone(), x)
     assert_matches(y, expected)  # the returned tensor is untouched by all that

@@ -24,6 +24,8 @@ from report_tokens import tokens
 def test_writes_report_results_and_plots(quick_report):
     assert (quick_report / "REPORT.md").stat().st_size > 1000
     assert (quick_report / "time_per_shape.png").stat().st_size > 10_000
+    assert (quick_report / "ratios.png").stat().st_size > 10_000
+    assert "![paired ratios to eager/op_plus_x](ratios.png)" in (quick_report / "REPORT.md").read_text()
     data = json.loads((quick_report / "results.json").read_text())
     assert data["complete"] is True
     variants = {r["variant"] for r in data["results"]}
@@ -419,3 +421,24 @@ def test_results_are_written_as_they_come(tmp_path):
     data = json.loads(path.read_text())
     assert data["complete"] is False
     assert len(data["results"]) >= 3
+
+
+def test_the_ratio_figure_draws_every_paired_ratio_to_the_reference():
+    """ratios.png's points are exactly results.json's paired ratios to the reference, batch by
+    batch (the committed CPU report), with the noise mark where the IQR contains 1."""
+    from pathlib import Path
+
+    from plusequals.bench.render import ratio_points
+    from plusequals.bench.results import Results
+
+    data = json.loads((Path(__file__).resolve().parents[1] / "docs/report-cpu/results.json").read_text())
+    res = Results.load(data)
+    ref = res.reference
+    for batch in res.batches:
+        drawn = {(v, sh): p for v, sh, p in ratio_points(res, batch)}
+        stored = [p for p in data["paired"] if p["batch"] == batch and p["vs"] == ref]
+        assert stored and len(drawn) == len(stored)
+        for p in stored:
+            point = drawn[(p["variant"], p["shape"])]
+            assert (point.median, point.q1, point.q3) == (p["median"], p["q1"], p["q3"])
+            assert point.within_noise == (p["q1"] <= 1.0 <= p["q3"])

@@ -15,7 +15,14 @@ import torch  # noqa: F401  (must precede the extension)
 # plusequals.audit is the function (it shadows its package's attribute: `from plusequals.audit import
 # cases` still imports the package's modules, through sys.modules)
 from .audit import AuditReport, Finding, audit
-from .errors import DonationConsumed, OwnershipError, StaleBlock, UnsupportedBlockError, WeightsChanged
+from .errors import (
+    DonationConsumed,
+    OwnershipError,
+    StaleBlock,
+    UnsupportedBlockError,
+    UseAfterDonation,
+    WeightsChanged,
+)
 from .model.blocks import GEGLU, STRATEGIES, BasicTransformerBlock, CrossAttention, FeedForward
 from .twin.block import CppBlock, RustBlock
 from .twin.config import BlockConfig
@@ -46,6 +53,7 @@ __all__ = [
     "StaleBlock",
     "SwapHandle",
     "UnsupportedBlockError",
+    "UseAfterDonation",
     "WeightsChanged",
     "audit",
     "sd_v1_unet_config",

@@ -13,6 +13,8 @@ here and by the package: callers and tests match on the class and its attributes
   while a forward read it; the result is discarded.
 * :class:`DonationConsumed` (a ``RuntimeError``): a donation failed after its first write; ``x``
   is marked donated and the result discarded.
+* :class:`UseAfterDonation` (a ``DonationConsumed``): a donated tensor was used (rustc's E0382, at
+  run time); ``.op`` names the operation.
 """
 
 from __future__ import annotations
@@ -26,9 +28,17 @@ __all__ = [
     "OwnershipError",
     "StaleBlock",
     "UnsupportedBlockError",
+    "UseAfterDonation",
     "WeightsChanged",
     "ownership_error",
 ]
+
+
+class UseAfterDonation(DonationConsumed):
+    """A tensor given to ``forward_owned(..., donate=True)`` was used afterwards; ``.op`` is the
+    operation (``"sum"``, ``"shape (get)"``)."""
+
+    op: str = ""
 
 
 def ownership_error(

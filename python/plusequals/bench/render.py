@@ -371,7 +371,8 @@ def _conclusions(res: Results) -> list[str]:
     ]
     md = ["", "## Verdicts (paired ratios)", ""] + [v.text for v in verdict_items(res)]
     md += ["", "## Targets", "", table(["target", "measured", "limit", "status", "how"], rows)]
-    md += ["", "## Plots", "", "![time per shape](time_per_shape.png)"]
+    md += ["", "## Plots", "", f"![paired ratios to {res.reference}](ratios.png)", "", RATIO_PLOT_NOTE, ""]
+    md += ["![time per shape](time_per_shape.png)"]
     if res.config["device"] == "cuda":
         md.append("![peak memory](peak_memory.png)")
     else:
@@ -390,8 +391,29 @@ def render(data: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- plots
+RATIO_PLOT_NOTE = (
+    "ratios.png: each variant's paired ratio to the reference, per shape (a dot at the median, a whisker "
+    "from Q1 to Q3; left of the line at 1 is faster). A hollow dot is a cell whose interval contains 1 "
+    f"(marked {NOISE_MARK} in the tables)."
+)
+
+
+def ratio_points(res: Results, batch: int) -> list[tuple[str, str, Paired]]:
+    """(variant, shape, its paired ratio to the reference) for every measured cell of ``batch``,
+    variants in the order measured: what ratios.png draws."""
+    ref = res.reference
+    return [
+        (v, sh, p)
+        for v in res.variants
+        if v != ref
+        for sh in res.shapes
+        if (p := res.paired.get((batch, sh, v, ref))) is not None
+    ]
+
+
 def plots(data: dict, outdir: Path) -> None:
-    """time_per_shape.png (every variant, every batch) and, on CUDA, peak_memory.png (batch 2)."""
+    """ratios.png (paired ratios to the reference), time_per_shape.png (every variant, every
+    batch) and, on CUDA, peak_memory.png (batch 2)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -417,8 +439,40 @@ def plots(data: dict, outdir: Path) -> None:
     fig.tight_layout()
     fig.savefig(outdir / "time_per_shape.png", dpi=110)
     plt.close(fig)
+    _ratio_plot(res, outdir, plt)
     if cfg["device"] == "cuda":
         _memory_plot(res, outdir, plt)
+
+
+def _ratio_plot(res: Results, outdir: Path, plt) -> None:
+    """Who is faster, as the verdicts say it: one row per variant, one dot per shape."""
+    variants = [v for v in res.variants if v != res.reference]
+    shapes = res.shapes
+    fig, axes = plt.subplots(
+        1, len(res.batches), figsize=(6.5 * len(res.batches), 0.9 + 0.32 * len(variants)), squeeze=False
+    )
+    offset = {sh: (i - (len(shapes) - 1) / 2) * 0.18 for i, sh in enumerate(shapes)}
+    for ax, batch in zip(axes[0], res.batches):
+        for v, sh, p in ratio_points(res, batch):
+            y, colour = variants.index(v) + offset[sh], plt.cm.tab10(shapes.index(sh) % 10)
+            ax.plot([p.q1, p.q3], [y, y], color=colour, linewidth=1.2)
+            face = "none" if p.within_noise else colour
+            ax.plot([p.median], [y], "o", markersize=4.5, markerfacecolor=face, markeredgecolor=colour)
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(plt.FormatStrFormatter("%.2g"))
+        ax.xaxis.set_minor_formatter(plt.FormatStrFormatter("%.2g"))
+        ax.tick_params(axis="x", which="both", labelsize=7)
+        ax.set_yticks(range(len(variants)), variants, fontsize=7)
+        ax.set_ylim(len(variants) - 0.5, -0.5)
+        ax.set_xlabel(f"time / {res.reference} (paired, median and IQR; < 1 is faster)")
+        ax.set_title(f"{res.config['device']} {res.config['dtype']}, batch {batch}")
+        ax.grid(axis="x", which="both", alpha=0.25)
+    handles = [plt.Line2D([], [], marker="o", linestyle="", color=plt.cm.tab10(i % 10)) for i in range(len(shapes))]
+    fig.legend(handles, [f"shape {sh}" for sh in shapes], fontsize=7, loc="upper center", ncol=len(shapes))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
+    fig.savefig(outdir / "ratios.png", dpi=110)
+    plt.close(fig)
 
 
 def _memory_plot(res: Results, outdir: Path, plt) -> None:

@@ -28,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         from .run import main as audit_run
 
         return audit_run(argv[2:])
-    parser = argparse.ArgumentParser(prog="python -m plusequals", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m plusequals",
+        description="The += block in PyTorch, Rust and C++: its bugs live, the report, the audit.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="each += bug live in PyTorch, each refused by rustc")
     demo.add_argument("--skip-compile-fail", action="store_true", help="do not run cargo on tests/ui")

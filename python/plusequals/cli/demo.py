@@ -16,13 +16,14 @@ from typing import Optional
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 from .. import _rust
 from ..model import bugs
 from ..model.blocks import STRATEGIES
 from ..twin import aliases
 from ..twin.block import RustBlock
-from .terminal import Rows
+from .terminal import Rows, from_markdown, say
 
 REPO = Path(__file__).resolve().parents[3]
 UI = REPO / "tests" / "ui"
@@ -33,6 +34,12 @@ class Case:
     name: str
     code: str
     mirrors: str
+
+
+def first_line(message: str) -> str:
+    """An error's first line, whole: the demo never cuts a message mid-word."""
+    lines = message.strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def read_cases(ui: Path = UI) -> list[Case]:
@@ -56,10 +63,26 @@ def cargo_env() -> dict[str, str]:
     return env
 
 
-def check_cases(cases: list[Case], console: Console) -> dict[str, tuple[list[str], str]]:
-    """``cargo check`` every case and its ``_fixed`` twin as binaries of a scratch crate that
-    depends on this one. Returns, per binary, its error codes and its first rendered error."""
-    project = REPO / "target" / "demo-compile-fail"
+def _dev_dependencies() -> list[str]:
+    """The crate's dev-dependencies, as dependencies of the scratch crate. clippy's check (make
+    lint: --all-targets) builds with them, and they add features to shared crates (trybuild's serde
+    turns on serde_core's ``alloc``, which changes serde, safetensors and tch): with the same
+    features the scratch crate reuses clippy's check of tch instead of checking it again."""
+    import tomllib
+
+    manifest = tomllib.loads((REPO / "Cargo.toml").read_text())
+    return [f"{name} = {_toml_value(spec)}" for name, spec in manifest.get("dev-dependencies", {}).items()]
+
+
+def _toml_value(spec) -> str:
+    if isinstance(spec, dict):  # an inline table; strings, booleans and lists of strings read the same in JSON
+        return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in spec.items()) + " }"
+    return json.dumps(spec)
+
+
+def scratch_crate(cases: list[Case], project: Path) -> list[str]:
+    """Writes the scratch crate whose binaries are the cases and their ``_fixed`` twins, depending
+    on this one; returns the binaries' names."""
     project.mkdir(parents=True, exist_ok=True)
     bins = [c.name for c in cases] + [f"{c.name}_fixed" for c in cases]
     manifest = [
@@ -72,15 +95,24 @@ def check_cases(cases: list[Case], console: Console) -> dict[str, tuple[list[str
         "[workspace]",
         "",
         "[dependencies]",
-        # The python feature, as in make lint's clippy: the dependencies' check (tch's above all)
-        # is then the one clippy already made, in the same target dir.
+        # The python feature and the dev-dependencies, as in make lint's clippy: the dependencies'
+        # check (tch's above all) is then the one clippy already made, in the same target dir.
         f'plusequals = {{ path = {json.dumps(str(REPO))}, features = ["python"] }}',
         'tch = "=0.24.0"',
+        *_dev_dependencies(),
     ]
     for b in bins:
         manifest += ["", "[[bin]]", f'name = "{b}"', f"path = {json.dumps(str(UI / (b + '.rs')))}"]
     (project / "Cargo.toml").write_text("\n".join(manifest) + "\n")
     shutil.copy(REPO / "Cargo.lock", project / "Cargo.lock")
+    return bins
+
+
+def check_cases(cases: list[Case], console: Console) -> dict[str, tuple[list[str], str]]:
+    """``cargo check`` every case and its ``_fixed`` twin as binaries of a scratch crate that
+    depends on this one. Returns, per binary, its error codes and its first rendered error."""
+    project = REPO / "target" / "demo-compile-fail"
+    bins = scratch_crate(cases, project)
     cmd = [
         "cargo",
         "check",
@@ -90,7 +122,7 @@ def check_cases(cases: list[Case], console: Console) -> dict[str, tuple[list[str
         "--manifest-path",
         str(project / "Cargo.toml"),
     ]
-    with console.status("cargo check on the compile-fail cases (the first run builds torch-sys: a minute or two)"):
+    with console.status("cargo check on the compile-fail cases (after make lint: the cases alone, seconds)"):
         proc = subprocess.run(cmd, capture_output=True, text=True, env=cargo_env())
     found: dict[str, tuple[list[str], str]] = {b: ([], "") for b in bins}
     for line in proc.stdout.splitlines():
@@ -127,9 +159,9 @@ def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> i
     _training(console, verdict)
     console.rule("[bold]3. The same bugs in Rust: refused by rustc")
     if skip_compile_fail:
-        console.print("[yellow]skipped (--skip-compile-fail)[/]")
+        say(console, "[yellow]skipped (--skip-compile-fail)[/]")
     elif not (UI / "cases.txt").exists() or shutil.which("cargo") is None:
-        console.print(f"[bold red]needs the source checkout (tests/ui under {REPO}) and cargo on PATH[/]")
+        say(console, f"[bold red]needs the source checkout (tests/ui under {REPO}) and cargo on PATH[/]")
         failures.append("compile-fail: no source tree or cargo")
     else:
         _compile_fail(console, verdict)
@@ -142,14 +174,14 @@ def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> i
 
     console.rule()
     if failures:
-        console.print(f"[bold red]{len(failures)} expectation(s) failed:[/] {', '.join(failures)}")
+        say(console, f"[bold red]{len(failures)} expectation(s) failed:[/] {', '.join(failures)}")
         return 1
-    console.print("[bold green]every bug reproduced in PyTorch and refused in Rust, as expected[/]")
+    say(console, "[bold green]every bug reproduced in PyTorch and refused in Rust, as expected[/]")
     return 0
 
 
 def _caller_aliasing(console: Console, verdict) -> None:
-    console.print("A caller keeps `skip = x`, calls the block, then reads `skip`.\n")
+    say(console, "A caller keeps [cyan]skip = x[/], calls the block, then reads [cyan]skip[/].\n")
     t = Rows("strategy", "caller's x after the call", "max |change|", "check")
     for s in STRATEGIES:
         r = bugs.caller_aliasing(s)
@@ -158,12 +190,13 @@ def _caller_aliasing(console: Console, verdict) -> None:
         t.add_row(s, seen, f"{r.max_change:.3g}", verdict(ok, f"aliasing/{s}"))
     t.print(console)
     shares = bugs.copy_copy_shares_storage()
-    console.print(f"copy.copy(x) shares x's storage: [bold]{shares}[/] ({verdict(shares, 'copy.copy')})\n")
+    say(console, f"copy.copy(x) shares x's storage: [bold]{shares}[/] ({verdict(shares, 'copy.copy')})\n")
 
 
 def _training(console: Console, verdict) -> None:
-    console.print(
-        "learnable embedding -> block -> MSE -> backward -> SGD step, 3 steps; then with CompVis checkpointing.\n"
+    say(
+        console,
+        "learnable embedding -> block -> MSE -> backward -> SGD step, 3 steps; then with CompVis checkpointing.\n",
     )
     t = Rows("strategy", "checkpoint", "result", "check", key=(0, 1, -1))
     for ckpt in (False, True):
@@ -172,11 +205,12 @@ def _training(console: Console, verdict) -> None:
             e = bugs.EXPECTED[s]
             want = e.training_checkpointed if ckpt else e.training
             ok = (r.error is None and r.embedding_moved) if want is None else (r.error or "").startswith(want)
-            shown = "[green]trains[/]" if r.error is None else f"[red]{r.error[:110]}[/]"
+            shown = "[green]trains[/]" if r.error is None else f"[red]{escape(first_line(r.error))}[/]"
             t.add_row(s, "checkpointed" if ckpt else "plain", shown, verdict(ok, f"training/{s}/checkpoint={ckpt}"))
     t.print(console)
     msg = bugs.leaf_iadd()
-    console.print(f"iadd on a leaf that requires grad: [red]{msg}[/] ({verdict(msg.startswith(bugs.LEAF), 'leaf')})\n")
+    ok = verdict(msg.startswith(bugs.LEAF), "leaf")
+    say(console, f"iadd on a leaf that requires grad: [red]{escape(first_line(msg))}[/] ({ok})\n")
 
 
 def _compile_fail(console: Console, verdict) -> None:
@@ -198,47 +232,59 @@ def _compile_fail(console: Console, verdict) -> None:
     t.print(console)
     for c in cases:
         codes, rendered = found[c.name]
-        if rendered:
-            console.print(f"[bold]{c.name}.rs[/]")
-            console.print("\n".join(rendered.splitlines()[:8]), markup=False, highlight=False)
-    console.print(
-        "\nrustc sees Rust values and borrows only. A second handle made by tch (`shallow_clone`, `detach`, a view), "
-        "autograd's saved tensors and memory owned by numpy are invisible to it: section 5 shows run time taking over."
+        if rendered:  # whole, as rustc prints it: the use after the move is the diagnostic's last label
+            say(console, f"[bold]{c.name}.rs[/]")
+            console.print(rendered.rstrip(), markup=False, highlight=False, soft_wrap=True)
+    say(
+        console,
+        "\nrustc sees Rust values and borrows only. A second handle made by tch (shallow_clone, detach, a view), "
+        "autograd's saved tensors and memory owned by numpy are invisible to it: section 5 shows run time taking over.",
     )
 
 
 def _alias_routes(console: Console, verdict) -> None:
-    console.print(
-        "Each way to reach x's memory through a second name. Run time: what `forward_owned` / `add_in_place` / a "
-        "donation did just now (rust/aliases.rs, plusequals.twin.aliases).\n"
+    say(
+        console,
+        "Each way to reach x's memory through a second name that this demo runs. Run time: what "
+        "forward_owned / add_in_place / a donation did just now (rust/aliases.rs, plusequals.twin.aliases).\n",
     )
-    t = Rows("route", "PyTorch `+=`", "rustc", "run time (now)", "check")
+    t = Rows("route", "PyTorch +=", "rustc", "run time (now)", "check")
+    not_run = 0
     for stated, row in zip(aliases.TABLE, aliases.table_rows()):
-        live = stated.run_time.startswith(("rust:", "py:"))
-        check = verdict(aliases.expected_outcome(row, row.run_time), f"alias/{row.route}") if live else ""
-        t.add_row(row.route, row.pytorch, row.rustc, row.run_time, check)
+        if not stated.run_time.startswith(("rust:", "py:")):
+            not_run += 1
+            continue
+        check = verdict(aliases.expected_outcome(row, row.run_time), f"alias/{row.route}")
+        cells = (from_markdown(cell) for cell in (row.route, row.pytorch, row.rustc, row.run_time))
+        t.add_row(*cells, check)
     t.print(console)
+    say(
+        console,
+        f"{not_run} more routes (autograd, functorch, dispatch modes, ...) are checked by their tests, not run "
+        'here: README.md, "The alias catalogue".',
+    )
 
 
 def _audit(console: Console, verdict) -> None:
     from ..audit import cases
     from .audit import print_findings
 
-    console.print(
-        "`plusequals.audit(model, *args)` runs the PyTorch model once and names, with rustc's codes, each write "
+    say(
+        console,
+        "plusequals.audit(model, *args) runs the PyTorch model once and names, with rustc's codes, each write "
         "into a borrowed tensor (E0596), each read of a name after that write moved its value (E0382) and each "
-        "write into a tensor autograd saved (E0502). The seed's `iadd` in a UNet level that keeps the block's "
-        "input for its skip, then in textual-inversion training:\n"
+        "write into a tensor autograd saved (E0502). The seed's iadd in a UNet level that keeps the block's "
+        "input for its skip, then in textual-inversion training:\n",
     )
     for setting in ("skip", "training"):
         report = cases.strategy_audit("iadd", setting)
-        console.print(f"[bold]iadd, {setting}[/]: {report.summary()}")
+        say(console, f"[bold]iadd, {setting}[/]: {report.summary()}")
         print_findings(console, report)
         ok = cases.agreement("iadd", setting, report) is None
-        console.print(f"agrees with what PyTorch does (bugs.EXPECTED): {verdict(ok, f'audit/iadd/{setting}')}\n")
+        say(console, f"agrees with what PyTorch does (bugs.EXPECTED): {verdict(ok, f'audit/iadd/{setting}')}\n")
     clean = cases.strategy_audit("op_plus_x", "training")
-    console.print(f"op_plus_x, training: {clean.summary()} ({verdict(clean.clean, 'audit/op_plus_x')})")
-    console.print("All strategies, checkpointing and a diffusers UNet: `python -m plusequals audit`.")
+    say(console, f"op_plus_x, training: {clean.summary()} ({verdict(clean.clean, 'audit/op_plus_x')})")
+    say(console, "All strategies, checkpointing and a diffusers UNet: [cyan]python -m plusequals audit[/].")
 
 
 def _runtime_mirror(console: Console, verdict) -> None:
@@ -250,13 +296,16 @@ def _runtime_mirror(console: Console, verdict) -> None:
         ok, text = False, "accepted!"
     except RuntimeError as e:
         ok, text = "requires grad while grad mode is on" in str(e), str(e)
-    console.print(f"forward_owned(x requiring grad) -> [red]{text[:150]}...[/] ({verdict(ok, 'mirror/grad')})")
+    say(
+        console, f"forward_owned(x requiring grad) -> [red]{escape(first_line(text))}[/] ({verdict(ok, 'mirror/grad')})"
+    )
     with torch.no_grad():
         keep = x.clone()
         rust.forward_owned(x, c)
-        console.print(
+        say(
+            console,
             f"forward_owned(x, donate=False): caller's x unchanged: {torch.equal(x, keep)} "
-            f"({verdict(torch.equal(x, keep), 'mirror/copy')})"
+            f"({verdict(torch.equal(x, keep), 'mirror/copy')})",
         )
         rust.forward_owned(x, c, donate=True)
         try:
@@ -264,4 +313,4 @@ def _runtime_mirror(console: Console, verdict) -> None:
             ok, text = False, "x still usable!"
         except RuntimeError as e:
             ok, text = "donated" in str(e), str(e)
-    console.print(f"x.sum() after donate=True -> [red]{text[:120]}...[/] ({verdict(ok, 'mirror/donate')})")
+    say(console, f"x.sum() after donate=True -> [red]{escape(first_line(text))}[/] ({verdict(ok, 'mirror/donate')})")

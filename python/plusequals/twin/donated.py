@@ -3,7 +3,9 @@
 ``forward_owned(x, donate=True)`` (``RustBlock``, ``CppBlock`` and the raw extension alike) moves
 ``x``'s buffer into the call and turns ``x`` into a :class:`DonatedTensor`, or, for a tensor
 subclass, into a donated class made for it (:func:`donated_class`), before the first write.
-Any later use of ``x`` raises. A leaf: it imports only torch, and the extension imports it.
+Any later use of ``x`` raises :class:`plusequals.errors.UseAfterDonation` naming the operation;
+``repr``/``str``/``format`` say that it was donated instead (debuggers and loggers print it). It
+imports only torch and, when a use raises, :mod:`plusequals.errors`; the extension imports it.
 """
 
 from __future__ import annotations
@@ -22,11 +24,30 @@ class DonatedTensor(Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        raise RuntimeError(
-            f"use of a donated tensor ({name}): it was moved into forward_owned(..., donate=True); "
+        if func in _SHOWN:
+            return f"{cls.__name__}(donated: its buffer was moved into forward_owned(..., donate=True))"
+        from ..errors import UseAfterDonation
+
+        op = operation_name(func)
+        error = UseAfterDonation(
+            f"use of a donated tensor ({op}): it was moved into forward_owned(..., donate=True); "
             "use the tensor that call returned, or pass donate=False to keep the input"
         )
+        error.op = op
+        raise error
+
+
+# What prints a tensor: a donated one says so instead of raising.
+_SHOWN = (Tensor.__repr__, Tensor.__str__, Tensor.__format__)
+
+
+def operation_name(func) -> str:
+    """``add``, ``sum``; for an attribute (``x.shape``, ``x.grad``), its name, not ``__get__``."""
+    name = getattr(func, "__name__", None) or str(func)
+    owner = getattr(func, "__self__", None)
+    if name in ("__get__", "__set__", "__delete__") and getattr(owner, "__name__", None):
+        return f"{owner.__name__} ({name.strip('_')})"
+    return name
 
 
 _CLASSES: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
