@@ -138,7 +138,7 @@ def test_help_is_plain_text(capsys):
 
     from plusequals.cli import main
 
-    for argv in ([], ["demo"], ["report"], ["summary"], ["audit"]):
+    for argv in ([], ["demo"], ["report"], ["summary"], ["audit"], ["audit", "run"]):
         with pytest.raises(SystemExit) as exit:
             main([*argv, "--help"])
         out = capsys.readouterr().out

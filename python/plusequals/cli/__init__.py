@@ -11,9 +11,9 @@ def _add_audit(sub: Any) -> None:
     audit = sub.add_parser(
         "audit",
         help="the borrow checker's verdicts on the project's PyTorch code (plusequals.audit); "
-        "`audit run SCRIPT` on yours",
-        epilog="`python -m plusequals audit run [options] SCRIPT [ARGS...]` (or `-m MODULE`) audits your program: "
-        "see `audit run --help`.",
+        "'audit run SCRIPT' on yours",
+        epilog="python -m plusequals audit run [options] SCRIPT [ARGS...] (or -m MODULE) audits your program: "
+        "see audit run --help.",
     )
     audit.add_argument("--models", action="store_true", help="audit the real models, full size on the meta device")
     audit.add_argument(

@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["text", "json", "sarif"], default="text", help="default: text (rustc's)")
     p.add_argument("--output", "-o", metavar="FILE", help="write the audit's output here (default: stderr)")
     p.add_argument("--moves", action="store_true", help="also list the moves (writes into temporaries)")
-    p.add_argument("-m", dest="module", metavar="MODULE", help="run a module as `python -m MODULE` does")
+    p.add_argument("-m", dest="module", metavar="MODULE", help="run a module as python -m MODULE does")
     return p
 
 
