@@ -6,11 +6,18 @@ caller's grad mode (and with ``backward=True`` a backward from the sum of its ou
 returns an :class:`AuditReport` whose ``findings`` carry rustc's error codes:
 
 * ``E0596``: a module wrote into the memory of a tensor it was given (in-place methods, ``out=``,
-  slice assignment, ``F.*(inplace=True)``, ``copy_``, through a view): an argument it only
-  borrowed.
+  slice assignment, ``F.*(inplace=True)``, ``copy_``, through a view) that outlives the call in
+  someone else's hands: a parameter, a buffer, a module's tensor attribute, an input of a running
+  ``torch.autograd.Function`` (a checkpoint keeps it to recompute), or an argument of the audited
+  call itself (the user's tensor, whose later reads the audit cannot see). The module only
+  borrowed it.
 * ``E0382``: after such a write, a name that held that memory before it was read: the value
   moved into the module, and the caller used it after the move (the UNet skip).
 * ``E0502``: a write into a tensor that autograd saved for backward, found at the write.
+
+A write into a temporary that nothing else holds and that no name reads afterwards (``out =
+self.relu(out)`` with ``nn.ReLU(inplace=True)``) is a move, which Rust accepts: it is listed in
+``report.moves`` (code ``"move"``), never in ``findings``.
 
 It watches with forward hooks on each module (:mod:`.modules`), a TorchDispatchMode for the
 writes (:mod:`.mode`), a TorchFunctionMode for what autograd saves (:mod:`.saved`) and, once a
@@ -61,14 +68,16 @@ def audit(model: Any, *args: Any, backward: bool = False, **kwargs: Any) -> Audi
             out = _run(report, "error", lambda: model(*args, **kwargs))
             roots = [t.grad_fn for t in _differentiable(out)]
             watch.confirm(roots)
-            if backward and report.error is None:
+            if backward and report.error is None and not roots:
+                report.backward_skipped = "no output requires grad: nothing to differentiate"
+            elif backward and report.error is None:
                 watch.phase = "backward"
                 _run(report, "backward_error", lambda: _backward(out))
                 watch.confirm(None)
     finally:
         watch.tracer.stop()
         modules.detach()
-    report.findings = recorder.findings()
+    report.findings, report.moves = recorder.findings(), recorder.moves()
     report.ops, report.calls = watch.ops, modules.calls
     return report
 

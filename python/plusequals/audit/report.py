@@ -9,8 +9,12 @@ __all__ = ["CODES", "AuditReport", "Finding"]
 
 # rustc's error codes, and what each means for a module's tensors.
 CODES: Dict[str, str] = {
-    "E0596": "a module wrote into a tensor it was given (an argument it only borrowed)",
-    "E0382": "a name read after a module wrote into its value (a use after move)",
+    "E0596": (
+        "a module wrote into a tensor it was given that outlives the call in other hands (a parameter, "
+        "a buffer, a module's tensor attribute, an autograd.Function's input, or the audited call's own "
+        "argument): it only borrowed it"
+    ),
+    "E0382": "a name that held a tensor before a module wrote into it was read afterwards (a use after move)",
     "E0502": "a write into a tensor that autograd saved for backward (borrowed until backward)",
 }
 
@@ -20,7 +24,10 @@ class Finding:
     """One rule broken. ``module`` is the qualified name (``named_modules()``; ``""`` is the
     audited module itself); ``where`` is the ``path:line`` of the write, in the innermost frame
     outside torch and the audit; an ``E0382`` has ``read_at``, the line that read the moved name.
-    ``count`` is how many times the same write (same code, module, line and op) was seen."""
+    ``count`` is how many times the same write (same code, module, line and op) was seen.
+    ``writer``: torch's own module that wrote, as code writes it (``nn.ReLU(inplace=True)``),
+    when the write happened inside one (``where`` is still the user's line that called it).
+    A :attr:`AuditReport.moves` record has code ``"move"``."""
 
     code: str
     module: str
@@ -29,6 +36,7 @@ class Finding:
     message: str
     read_at: Optional[str] = None
     count: int = 1
+    writer: Optional[str] = None
 
     def key(self) -> Tuple[str, str, str, str, Optional[str]]:
         return (self.code, self.module, self.where, self.op, self.read_at)
@@ -39,7 +47,10 @@ class AuditReport:
     """The findings of one audited call, in the order the writes happened, and what was watched:
     ``ops`` (aten ops dispatched), ``modules`` (modules watched), ``calls`` (module calls).
     ``error`` / ``backward_error``: the first line of what the forward / backward raised, if
-    anything (the audit never hides the model's own error; findings before it are kept)."""
+    anything (the audit never hides the model's own error; findings before it are kept).
+    ``backward_skipped``: why ``backward=True`` ran no backward (no output requires grad).
+    ``moves``: writes into a temporary that nothing else held and no name read afterwards (code
+    ``"move"``; Rust accepts them: the module took the value by value). Never findings."""
 
     findings: List[Finding] = field(default_factory=list)
     ops: int = 0
@@ -47,6 +58,8 @@ class AuditReport:
     calls: int = 0
     error: Optional[str] = None
     backward_error: Optional[str] = None
+    backward_skipped: Optional[str] = None
+    moves: List[Finding] = field(default_factory=list)
 
     @property
     def codes(self) -> List[str]:
@@ -76,7 +89,8 @@ class AuditReport:
 
     def summary(self) -> str:
         """One line: the codes found (or clean), what was watched, and any error."""
-        found = ", ".join(f"{c}x{len(self.by_code(c))}" for c in self.codes) or "clean"
+        found = ", ".join(f"{c}x{len(self.by_code(c))}" for c in self.codes)
+        found = found or ("no findings" if self.error or self.backward_error else "clean")
         line = f"{found} ({self.ops} ops, {self.modules} modules, {self.calls} calls watched)"
         for label, err in (("forward raised", self.error), ("backward raised", self.backward_error)):
             if err:
