@@ -52,3 +52,37 @@ def test_two_live_names_for_one_tensor_in_one_function_is_not_caught():
 
 def test_the_readmes_corpus_table_is_current(results):
     assert readme_block("audit-corpus") == corpus.markdown(results + corpus.results(corpus.MISSED))
+
+
+def test_two_names_are_caught_once_a_module_boundary_or_autograd_is_between_them():
+    """What is caught of the same pattern: when the in-place add happens in a module that was
+    given the tensor, the caller's other name read afterwards is E0382, with the read's line (and
+    had autograd saved the tensor, the write would be E0502, as in the corpus)."""
+    import torch
+    from torch import nn
+
+    from plusequals.audit import audit
+    from plusequals.audit.frames import short_path
+
+    class AddResidual(nn.Module):
+        def forward(self, res, extra):
+            res += extra
+            return res
+
+    class ControlNetThroughAModule(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.down, self.mid, self.add = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), AddResidual()
+
+        def forward(self, sample, extra):
+            sample = self.down(sample)
+            res_samples = (sample,)
+            new = tuple(self.add(r, extra) for r in res_samples)
+            return self.mid(sample) + new[0]
+
+    x, extra = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
+    with torch.no_grad():
+        report = audit(ControlNetThroughAModule(), x, extra)
+    (f,) = report.findings
+    line = ControlNetThroughAModule.forward.__code__.co_firstlineno + 4
+    assert f.code == "E0382" and f.read_at == f"{short_path(__file__)}:{line}", f
