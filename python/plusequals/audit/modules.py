@@ -93,7 +93,7 @@ class ModuleWatch:
         self._stop = stop
         self._names: Dict[int, str] = {}
         self._params: Dict[Any, Tuple[str, ...]] = {}
-        self._kept: Dict[int, List[Tuple[Span, str]]] = {}  # storage -> (span, what holds it)
+        self._kept: Dict[int, List[Tuple[Span, Tuple[str, str]]]] = {}  # storage -> (span, (kind, name))
         self._root: Optional[int] = None  # id() of the audited module
         self._handles: List[Any] = []
         self._thread = threading.get_ident()
@@ -120,32 +120,36 @@ class ModuleWatch:
         self._params.clear()
         self._kept.clear()
 
-    def _keep(self, t: Tensor, label: str) -> None:
-        with torch._C.DisableTorchFunction():
-            s = span(t)
-        if s is not None:
-            self._kept.setdefault(s.storage, []).append((s, label))
+    def _keep(self, t: Tensor, label: Tuple[str, str]) -> None:
+        # the whole storage (a parameter owns its storage, or shares a flat one with others that
+        # are parameters too): its address only, cheaper than a span, for every audit's attach
+        try:
+            storage = t.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        self._kept.setdefault(storage, []).append((Span(storage, 0, sys.maxsize), label))
 
     def _keep_module(self, name: str, m: nn.Module) -> None:
         prefix = name + "." if name else ""
-        for kind, tensors_ in (("parameter", m._parameters), ("buffer", m._buffers)):
-            for attr, t in tensors_.items():
-                if t is not None:
-                    self._keep(t, f"the {kind} `{prefix}{attr}`")
-        for attr, t in vars(m).items():
-            if isinstance(t, Tensor):
-                self._keep(t, f"the attribute `{prefix}{attr}`")
+        with torch._C.DisableTorchFunction():
+            for kind, tensors_ in (("parameter", m._parameters), ("buffer", m._buffers)):
+                for attr, t in tensors_.items():
+                    if t is not None:
+                        self._keep(t, (kind, prefix + attr))
+            for attr, t in vars(m).items():
+                if isinstance(t, Tensor):
+                    self._keep(t, ("attribute", prefix + attr))
 
     def _keep_given(self, args: Tuple[Arg, ...]) -> None:
         for a in args:
-            self._kept.setdefault(a.span.storage, []).append((a.span, f"the audited call's argument `{a.label}`"))
+            self._kept.setdefault(a.span.storage, []).append((a.span, ("audited call's argument", a.label)))
 
     def kept(self, written: Span) -> Optional[str]:
         """What else holds the memory ``written`` and outlives the running calls (a parameter,
         a buffer, a module's tensor attribute, the audited call's argument), or None."""
-        for s, label in self._kept.get(written.storage, ()):
+        for s, (kind, label) in self._kept.get(written.storage, ()):
             if s.overlaps(written):
-                return label
+                return f"the {kind} `{label}`"
         return None
 
     def push_root(self, fn: Any, args: tuple, kwargs: dict) -> None:
