@@ -344,7 +344,9 @@ def test_E0502_is_silent_for_a_graph_nobody_will_run_and_for_batchnorm_called_tw
 
 def test_E0502_under_no_grad_is_silent():
     with torch.no_grad():
-        assert audit(Saver(torch.exp, "the result"), torch.randn(2, 3)).clean
+        report = audit(Saver(torch.exp, "the result"), torch.randn(2, 3))
+    # nothing saved; what remains is the write through `victim[...]` into `y`, read afterwards
+    assert report.codes == ["E0499"] and report.findings[0].read_at == line_in(Saver, "return y.sum()")
 
 
 # ------------------------------------------------------------------------- the project's code

@@ -1,8 +1,7 @@
-"""The audit on real bugs (issue 31): twelve in-place and aliasing bugs from public issues, each
-a minimal module with the original's structure and its fixed twin
+"""The audit on real bugs (issue 31): thirteen in-place and aliasing bugs from public issues,
+each a minimal module with the original's structure and its fixed twin
 (``plusequals/audit/corpus.py``, with the URLs). Each bug must be found at the line its fix
-changed or at the read that broke; each fixed twin must give no finding. The bug the audit does
-not catch (two live names for one tensor in one function) is shown not caught.
+changed or at the read that broke; each fixed twin must give no finding.
 """
 
 from __future__ import annotations
@@ -25,11 +24,12 @@ def results():
     return corpus.results()
 
 
-def test_the_corpus_has_twelve_real_bugs_from_distinct_sources():
-    assert len(corpus.CAUGHT) >= 12
+def test_the_corpus_has_thirteen_real_bugs_from_distinct_sources():
+    assert len(corpus.CAUGHT) >= 13
     assert all(c.url.startswith("https://github.com/") for c in corpus.CAUGHT + corpus.MISSED)
+    assert corpus.MISSED == ()  # every bug found so far is caught
     assert len({c.name for c in corpus.CAUGHT}) == len(corpus.CAUGHT)
-    assert {c.code for c in corpus.CAUGHT} == {"E0596", "E0382", "E0502"}
+    assert {c.code for c in corpus.CAUGHT} == {"E0596", "E0382", "E0502", "E0499"}
 
 
 @pytest.mark.parametrize("index", range(len(corpus.CAUGHT)), ids=[c.name for c in corpus.CAUGHT])
@@ -41,13 +41,38 @@ def test_each_bug_is_caught_at_its_line_and_its_fixed_twin_is_silent(results, in
         assert "modified by an inplace operation" in (r.bug.backward_error or "")
 
 
-def test_two_live_names_for_one_tensor_in_one_function_is_not_caught():
-    """The stated limit (README): the ControlNet bug writes through `res`, which is also
-    `sample`; no module was given that memory and nothing saved it, so nothing is reported."""
-    (case,) = corpus.MISSED
-    bug = corpus.run_case(case, fixed=False)
-    assert bug.clean and not bug.moves
-    assert corpus.run_case(case, fixed=True).clean
+def test_two_live_names_for_one_tensor_in_one_function_is_E0499_but_a_view_is_a_reborrow():
+    """The ControlNet bug writes through `res`, which is also `sample`, and `sample` is read
+    afterwards: E0499 at the write, with the read's line. A view of a temporary written and the
+    temporary read afterwards is a reborrow, which Rust allows: nothing."""
+    import torch
+    from torch import nn
+
+    from plusequals.audit import audit
+
+    case = next(c for c in corpus.CAUGHT if c.code == "E0499")
+    (f,) = corpus.run_case(case, fixed=False).findings
+    assert f.where == corpus.expected_line(case)
+    assert f.read_at == corpus.expected_line(case._replace(line=(case.line[0], "return self.mid(sample)")))
+
+    class Reborrow(nn.Module):
+        def forward(self, x):
+            t = x * 2
+            h = t.view(-1)
+            h.add_(1.0)
+            return t.sum()
+
+    class TwoNames(nn.Module):
+        def forward(self, x):
+            x = x * 1
+            h = x
+            x += 1  # E0499: h is read below
+            h += 2
+            return h
+
+    assert audit(Reborrow(), torch.randn(3, 4)).clean
+    (g,) = audit(TwoNames(), torch.randn(3)).findings
+    assert g.code == "E0499" and g.where.endswith(str(TwoNames.forward.__code__.co_firstlineno + 3))
 
 
 def test_the_readmes_corpus_table_is_current(results):

@@ -14,6 +14,9 @@ returns an :class:`AuditReport` whose ``findings`` carry rustc's error codes:
 * ``E0382``: after such a write, a name that held that memory before it was read: the value
   moved into the module, and the caller used it after the move (the UNet skip).
 * ``E0502``: a write into a tensor that autograd saved for backward, found at the write.
+* ``E0499``: a write through one name into a tensor object that another live name (or container
+  slot) in the writing frame or its callers still holds, when that other name is read after the
+  write (two mutable names for one tensor; a view is a reborrow, not a second name).
 
 A write into a temporary that nothing else holds and that no name reads afterwards (``out =
 self.relu(out)`` with ``nn.ReLU(inplace=True)``) is a move, which Rust accepts: it is listed in

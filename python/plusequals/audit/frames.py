@@ -20,7 +20,16 @@ from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
 import torch
 
-__all__ = ["MoveTracer", "function_holding", "holders", "is_user", "location", "user_frame", "write_site"]
+__all__ = [
+    "MoveTracer",
+    "function_holding",
+    "holders",
+    "is_user",
+    "line_names",
+    "location",
+    "user_frame",
+    "write_site",
+]
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _TORCH_NN = os.path.join(_TORCH, "nn") + os.sep
@@ -103,6 +112,25 @@ def _names(code: CodeType) -> Dict[int, Tuple[str, Tuple[str, ...]]]:
                 found[ins.offset] = ("bind", names)
         _INSTRUCTIONS[code] = found
     return found
+
+
+_LINES: Dict[CodeType, Dict[int, Set[str]]] = {}
+
+
+def line_names(frame: FrameType) -> Set[str]:
+    """The names that the instructions of ``frame``'s current line read or bind (the names the
+    line writes through, among others)."""
+    code = frame.f_code
+    lines = _LINES.get(code)
+    if lines is None:
+        lines = _LINES[code] = {}
+        for ins in dis.get_instructions(code):
+            if ins.opname in _READS or ins.opname in _BINDS or ins.opname in _STORE_PAIRS:
+                names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
+                line = ins.positions.lineno if ins.positions is not None else None
+                if line is not None:
+                    lines.setdefault(line, set()).update(str(n) for n in names)
+    return lines.get(frame.f_lineno, set())
 
 
 def holders(frame: FrameType, overlaps: Callable[[Any], bool]) -> Iterator[str]:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import sys
 from types import FrameType
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .frames import MoveTracer, function_holding, holders, location, write_site
+from .frames import MoveTracer, function_holding, holders, is_user, line_names, location, user_frame, write_site
 from .memory import Span, span, writes
 from .modules import Arg, Call, ModuleWatch
 from .report import Finding
@@ -30,6 +30,16 @@ __all__ = ["Recorder", "WriteWatch"]
 
 
 class Move(NamedTuple):
+    seq: int
+    module: str
+    where: str
+    op: str
+    writer: Optional[str]
+
+
+class Alias(NamedTuple):
+    """A write through one name into a tensor object another live name still holds."""
+
     seq: int
     module: str
     where: str
@@ -77,8 +87,15 @@ class Recorder:
         if first != seq:
             self._later.setdefault(first, []).append(seq)
 
-    def on_read(self, frame: FrameType, name: str, move: Move) -> None:
+    def on_read(self, frame: FrameType, name: str, move: Any) -> None:
         read_at = location(frame)
+        if isinstance(move, Alias):
+            message = (
+                f"`{name}` names the tensor that was written through another name ({move.op} at {move.where}) "
+                "and is read after the write: two live names for one tensor, one of them written"
+            )
+            self.add(move.seq, Finding("E0499", move.module, move.where, move.op, message, read_at, writer=move.writer))
+            return
         for seq in (move.seq, *self._later.get(move.seq, ())):
             self._moves.pop(seq, None)  # read after: not a move, a use after move
         by = f" ({move.writer})" if move.writer else ""
@@ -133,15 +150,36 @@ class WriteWatch(TorchDispatchMode):
                 continue
             owner = self.modules.owner(s, t, metadata_only)
             entries = [] if metadata_only else self.saved.saving(s)
-            if owner is None and not entries:
+            aliases = self._aliases(t) if owner is None and not metadata_only and self.phase == "forward" else []
+            if owner is None and not entries and not aliases:
                 continue
             where = where or location(write_site(sys._getframe(), self.modules.stop))
             seq, op = self.recorder.next(), _op_name(func)
             if owner is not None:
                 self._moved(seq, op, where, s, *owner)
+            if aliases:
+                alias = Alias(seq, self.modules.running(sys._getframe()), where, op, self.modules.writer())
+                for frame, name in aliases:
+                    self.tracer.watch(frame, name, alias)
             if entries:
                 module = self.modules.running(sys._getframe())
                 self.candidates.append(Candidate(seq, module, where, op, self.phase, entries, self.modules.writer()))
+
+    def _aliases(self, t: Tensor) -> List[Tuple[FrameType, str]]:
+        """The other names for the tensor object ``t`` (directly or in a tuple, list or dict) in
+        the user frame that writes it and the user frames that called it: not the names on the
+        writing line (the name written through), not views (a view is a reborrow)."""
+        site = user_frame(sys._getframe(), self.modules.stop)
+        if site is None:
+            return []
+        mine = line_names(site)
+        found: List[Tuple[FrameType, str]] = []
+        frame: Optional[FrameType] = site
+        while frame is not None and frame is not self.modules.stop:
+            if is_user(frame):
+                found += [(frame, n) for n in holders(frame, lambda v: v is t) if frame is not site or n not in mine]
+            frame = frame.f_back
+        return found
 
     def _moved(self, seq: int, op: str, where: str, s: Span, call: Call, arg: Arg) -> None:
         writer = self.modules.writer()

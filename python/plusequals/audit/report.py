@@ -16,6 +16,7 @@ CODES: Dict[str, str] = {
     ),
     "E0382": "a name that held a tensor before a module wrote into it was read afterwards (a use after move)",
     "E0502": "a write into a tensor that autograd saved for backward (borrowed until backward)",
+    "E0499": "a tensor written through one name while another live name for it is read afterwards",
 }
 
 
