@@ -150,7 +150,9 @@ class WriteWatch(TorchDispatchMode):
                 continue
             owner = self.modules.owner(s, t, metadata_only)
             entries = [] if metadata_only else self.saved.saving(s)
-            aliases = self._aliases(t) if owner is None and not metadata_only and self.phase == "forward" else []
+            # a module's own parameter or buffer (BatchNorm's running statistics) is no second name
+            own = owner is not None or metadata_only or self.phase != "forward" or self.modules.kept(s) is not None
+            aliases = [] if own else self._aliases(t)
             if owner is None and not entries and not aliases:
                 continue
             where = where or location(write_site(sys._getframe(), self.modules.stop))
