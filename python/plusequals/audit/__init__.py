@@ -6,11 +6,21 @@ caller's grad mode (and with ``backward=True`` a backward from the sum of its ou
 returns an :class:`AuditReport` whose ``findings`` carry rustc's error codes:
 
 * ``E0596``: a module wrote into the memory of a tensor it was given (in-place methods, ``out=``,
-  slice assignment, ``F.*(inplace=True)``, ``copy_``, through a view): an argument it only
-  borrowed.
+  slice assignment, ``F.*(inplace=True)``, ``copy_``, through a view) that outlives the call in
+  someone else's hands: a parameter, a buffer, a module's tensor attribute, an input of a running
+  ``torch.autograd.Function`` (a checkpoint keeps it to recompute), or an argument of the audited
+  call itself (the user's tensor, whose later reads the audit cannot see). The module only
+  borrowed it.
 * ``E0382``: after such a write, a name that held that memory before it was read: the value
   moved into the module, and the caller used it after the move (the UNet skip).
 * ``E0502``: a write into a tensor that autograd saved for backward, found at the write.
+* ``E0499``: a write through one name into a tensor object that another live name (or container
+  slot) in the writing frame or its callers still holds, when that other name is read after the
+  write (two mutable names for one tensor; a view is a reborrow, not a second name).
+
+A write into a temporary that nothing else holds and that no name reads afterwards (``out =
+self.relu(out)`` with ``nn.ReLU(inplace=True)``) is a move, which Rust accepts: it is listed in
+``report.moves`` (code ``"move"``), never in ``findings``.
 
 :class:`.scope.AuditScope` audits every outermost module call a program makes (``python -m
 plusequals audit run``, the pytest plugin :mod:`.plugin`); :mod:`.diagnostics` prints findings as
@@ -39,15 +49,18 @@ def audit(model: Any, *args: Any, backward: bool = False, **kwargs: Any) -> Audi
     """Runs ``model(*args, **kwargs)`` once under watch, in the caller's grad mode (with
     ``backward=True``, then a backward from the sum of its outputs that need grad) and returns
     what broke rustc's rules: :class:`AuditReport` (``findings``, each a :class:`Finding` with
-    its code E0596, E0382 or E0502, module, ``path:line`` and op). The model's own error is
+    its code E0596, E0382, E0502 or E0499, module, ``path:line`` and op). The model's own error is
     recorded in ``error`` / ``backward_error``, not raised; findings before it are kept. A
     ``# plusequals: allow(CODE)`` comment on the writing line silences that code there."""
     unit = CallAudit(model, args, kwargs, stop=sys._getframe())
     report = unit.report
     with unscoped(), unit.watching():
         out = _run(report, lambda: model(*args, **kwargs))
-        unit.watch.confirm(roots(out))
-        if backward and report.error is None:
+        differentiable = roots(out)
+        unit.watch.confirm(differentiable)
+        if backward and report.error is None and not differentiable:
+            report.backward_skipped = "no output requires grad: nothing to differentiate"
+        elif backward and report.error is None:
             unit.watch.phase = "backward"
             try:
                 backward_from(out, keep=False)

@@ -27,11 +27,13 @@ TITLES: Dict[str, str] = {
     "E0596": "a module wrote into a tensor it only borrowed",
     "E0382": "a name read after a module wrote into its value (use after move)",
     "E0502": "a write into a tensor autograd saved for backward",
+    "E0499": "two live names for one tensor, one written through, the other read",
 }
 RUST_HELP: Dict[str, str] = {
     "E0596": "in Rust: a move or `&mut`",
     "E0382": "in Rust: clone before the move",
     "E0502": "in Rust: autograd's `&` forbids `&mut`",
+    "E0499": "in Rust: one `&mut` at a time",
 }
 _AUGMENTED = {"add_": "+", "sub_": "-", "mul_": "*", "div_": "/", "matmul_": "@", "pow_": "**"}
 _ACTIVATIONS = ("relu_", "relu6_", "gelu_", "silu_", "elu_", "leaky_relu_", "hardtanh_", "threshold_", "celu_")
@@ -41,7 +43,7 @@ _COPIES = ("copy_", "fill_", "index_put_", "masked_fill_", "zero_", "set_")
 
 class Diagnostic(NamedTuple):
     level: str  # "error", "warning" or "note"
-    code: str  # E0596, E0382, E0502; "unused_allow"; "move"; "raised"
+    code: str  # E0596, E0382, E0502, E0499; "unused_allow"; "move"; "raised"
     title: str
     site: Optional[Site]
     label: str  # under the caret
@@ -121,6 +123,8 @@ def pytorch_fix(code: str, op: str, line: str, name: str, writer: Optional[str] 
     n = _receiver(line, op, name)
     if code == "E0382":
         return f"pass `{name}.clone()` to the call that writes"
+    if code == "E0499":
+        return f"write out of place (`y = x + ...`), or `.clone()` before `{name}` is kept"
     if base in _AUGMENTED:
         return f"write `{n} = {n} {_AUGMENTED[base]} ...`, or `.clone()` it first"
     if base in _COPIES:
@@ -152,6 +156,12 @@ def _finding(root: str, f: Any, count: int) -> Diagnostic:
         title = f"`{arg}` is read after `{module}` wrote into its value"
         label = f"{f.op} writes into the value `{arg}` held"
         notes.append(("read again here, after the write", _at(resolve(f.read_at), "", arg)))
+    elif f.code == "E0499":
+        other = _backticked(f.message) or "x"
+        title = f"`{other}` still names the tensor written here through another name"
+        label = f"{f.op} writes into the tensor `{other}` also names"
+        notes.append((f"`{other}` read here, after the write", _at(resolve(f.read_at), "", other)))
+        arg = other
     elif f.code == "E0502":
         title = f"`{module}` overwrote a tensor autograd saved for backward"
         label = f"{f.op} writes into it here"

@@ -20,9 +20,19 @@ from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
 import torch
 
-__all__ = ["MoveTracer", "is_user", "location", "user_frame"]
+__all__ = [
+    "MoveTracer",
+    "function_holding",
+    "holders",
+    "is_user",
+    "line_names",
+    "location",
+    "user_frame",
+    "write_site",
+]
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
+_TORCH_NN = os.path.join(_TORCH, "nn") + os.sep
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # the audit's machinery: every module of the package (its harnesses in cases.py are user code)
 _AUDIT = frozenset(os.path.join(_HERE, f) for f in os.listdir(_HERE) if f.endswith(".py") and f != "cases.py")
@@ -39,6 +49,19 @@ def user_frame(frame: Optional[FrameType], stop: Optional[FrameType] = None) -> 
     while frame is not None and frame is not stop and not is_user(frame):
         frame = frame.f_back
     return None if frame is stop else frame
+
+
+def write_site(frame: Optional[FrameType], stop: Optional[FrameType]) -> Optional[FrameType]:
+    """Where a write is reported: the innermost user frame below ``stop`` (the audit's frame),
+    else, when the model's code is all torch's (an ``nn.Sequential`` audited directly), the
+    innermost frame of ``torch.nn`` below ``stop`` (``torch/nn/functional.py``): never the line
+    that called ``audit()``."""
+    found = user_frame(frame, stop)
+    while found is None and frame is not None and frame is not stop:
+        if frame.f_code.co_filename.startswith(_TORCH_NN):
+            return frame
+        frame = frame.f_back
+    return found
 
 
 _SHORT: Dict[str, str] = {}
@@ -89,6 +112,25 @@ def _names(code: CodeType) -> Dict[int, Tuple[str, Tuple[str, ...]]]:
     return found
 
 
+_LINES: Dict[CodeType, Dict[int, Set[str]]] = {}
+
+
+def line_names(frame: FrameType) -> Set[str]:
+    """The names that the instructions of ``frame``'s current line read or bind (the names the
+    line writes through, among others)."""
+    code = frame.f_code
+    lines = _LINES.get(code)
+    if lines is None:
+        lines = _LINES[code] = {}
+        for ins in dis.get_instructions(code):
+            if ins.opname in _READS or ins.opname in _BINDS or ins.opname in _STORE_PAIRS:
+                names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
+                line = ins.positions.lineno if ins.positions is not None else None
+                if line is not None:
+                    lines.setdefault(line, set()).update(str(n) for n in names)
+    return lines.get(frame.f_lineno, set())
+
+
 def holders(frame: FrameType, overlaps: Callable[[Any], bool]) -> Iterator[str]:
     """The names in ``frame`` whose value (or an element of a tuple, list or dict bound to it)
     ``overlaps`` is true of."""
@@ -99,6 +141,21 @@ def holders(frame: FrameType, overlaps: Callable[[Any], bool]) -> Iterator[str]:
             yield name
         elif isinstance(value, dict) and any(overlaps(v) for v in list(value.values())[:1024]):
             yield name
+
+
+def function_holding(
+    frame: Optional[FrameType], stop: Optional[FrameType], overlaps: Callable[[Any], bool]
+) -> Optional[str]:
+    """The ``torch.autograd.Function`` whose ``forward`` is running below ``stop`` and was given a
+    tensor ``overlaps`` is true of (its ``ctx`` keeps its inputs for backward: a checkpoint
+    recomputes from them), as ``CheckpointFunction``; None if none."""
+    while frame is not None and frame is not stop:
+        if frame.f_code.co_name == "forward" and "ctx" in frame.f_code.co_varnames[:1]:
+            ctx = frame.f_locals.get("ctx")
+            if isinstance(ctx, torch.autograd.function.FunctionCtx) and any(holders(frame, overlaps)):
+                return type(ctx).__name__.removesuffix("Backward")
+        frame = frame.f_back
+    return None
 
 
 class MoveTracer:
@@ -115,8 +172,10 @@ class MoveTracer:
         self._tool: Optional[int] = None
         self._started = False
 
-    def watch(self, frame: FrameType, name: str, info: Any) -> None:
-        self._moved.setdefault(frame, {}).setdefault(name, info)
+    def watch(self, frame: FrameType, name: str, info: Any) -> Any:
+        """Watches ``name`` in ``frame``; returns the info it is watched with (an earlier one if
+        it already was)."""
+        kept = self._moved.setdefault(frame, {}).setdefault(name, info)
         if not self._started:
             self._start()
         if _MONITORING is not None:
@@ -127,6 +186,7 @@ class MoveTracer:
             frame.f_trace = self._opcode
             frame.f_trace_lines = False
             frame.f_trace_opcodes = True
+        return kept
 
     def _start(self) -> None:
         self._started = True

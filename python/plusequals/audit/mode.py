@@ -1,19 +1,26 @@
 """The writes: a TorchDispatchMode that sees every aten op, takes the tensors its schema says it
-writes, and asks who owned that memory: a running module's argument (``E0596``, and the names
-that held it become moved: ``E0382`` when read), or a tensor autograd saved (``E0502``, once
-the write is known to have bumped the version counter)."""
+writes, and asks who owned that memory.
+
+* A running module's argument: the caller's names that held it are watched (``E0382`` when one
+  is read after the write). Whether the write is ``E0596`` depends on who else holds the memory
+  after the call (:meth:`ModuleWatch.kept`): a parameter, a buffer, a tensor attribute of a
+  watched module, or an argument of the audited call itself (the user's tensor, whose later
+  reads the audit cannot see). Held by none of them, and read by no name afterwards, it was a
+  temporary that the module took by value: a *move*, recorded in ``moves``, never a finding.
+* A tensor autograd saved: ``E0502``, once the write is known to have bumped the version counter.
+"""
 
 from __future__ import annotations
 
 import sys
 from types import FrameType
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .frames import MoveTracer, holders, location
+from .frames import MoveTracer, function_holding, holders, is_user, line_names, location, user_frame
 from .memory import Span, span, writes
 from .modules import Arg, Call, ModuleWatch
 from .report import Finding
@@ -28,6 +35,17 @@ class Move(NamedTuple):
     module: str
     where: str
     op: str
+    writer: Optional[str]
+
+
+class Alias(NamedTuple):
+    """A write through one name into a tensor object another live name still holds."""
+
+    seq: int
+    module: str
+    where: str
+    op: str
+    writer: Optional[str]
 
 
 class Candidate(NamedTuple):
@@ -39,6 +57,7 @@ class Candidate(NamedTuple):
     op: str
     phase: str  # "forward", or "backward" (a checkpoint's recomputation)
     entries: List[Saved]
+    writer: Optional[str]
 
 
 class Recorder:
@@ -46,6 +65,8 @@ class Recorder:
 
     def __init__(self) -> None:
         self._found: Dict[tuple, List[Any]] = {}
+        self._moves: Dict[int, Finding] = {}  # seq -> the move, until a name that held it is read
+        self._later: Dict[int, List[int]] = {}  # seq -> later writes into the memory its names held
         self.seq = 0
 
     def next(self) -> int:
@@ -59,16 +80,45 @@ class Recorder:
         else:
             entry[1] = Finding(**{**entry[1].__dict__, "count": entry[1].count + 1})
 
-    def on_read(self, frame: FrameType, name: str, move: Move) -> None:
+    def move(self, seq: int, finding: Finding) -> None:
+        self._moves[seq] = finding
+
+    def same_value(self, first: int, seq: int) -> None:
+        """``seq`` wrote into memory that the names moved by write ``first`` still hold."""
+        if first != seq:
+            self._later.setdefault(first, []).append(seq)
+
+    def on_read(self, frame: FrameType, name: str, move: Any) -> None:
         read_at = location(frame)
+        if isinstance(move, Alias):
+            message = (
+                f"`{name}` names the tensor that was written through another name ({move.op} at {move.where}) "
+                "and is read after the write: two live names for one tensor, one of them written"
+            )
+            self.add(move.seq, Finding("E0499", move.module, move.where, move.op, message, read_at, writer=move.writer))
+            return
+        for seq in (move.seq, *self._later.get(move.seq, ())):
+            self._moves.pop(seq, None)  # read after: not a move, a use after move
+        by = f" ({move.writer})" if move.writer else ""
         message = (
-            f"`{name}` is read after `{move.module or '(root)'}` wrote into its value ({move.op} at {move.where}): "
-            "the value was moved into the module, and this is a use after move"
+            f"`{name}` is read after `{move.module or '(root)'}`{by} wrote into its value ({move.op} at "
+            f"{move.where}): the value was moved into the module, and this is a use after move"
         )
-        self.add(move.seq, Finding("E0382", move.module, move.where, move.op, message, read_at))
+        finding = Finding("E0382", move.module, move.where, move.op, message, read_at, writer=move.writer)
+        self.add(move.seq, finding)
 
     def findings(self) -> List[Finding]:
         return [f for _, f in sorted(self._found.values(), key=lambda e: e[0])]
+
+    def moves(self) -> List[Finding]:
+        """The writes into a temporary that nothing else held and no name read afterwards, the
+        same write counted once (code ``"move"``: Rust accepts them, they are never findings)."""
+        found: Dict[tuple, Finding] = {}
+        for seq in sorted(self._moves):
+            f = self._moves[seq]
+            seen = found.get(f.key())
+            found[f.key()] = f if seen is None else Finding(**{**seen.__dict__, "count": seen.count + 1})
+        return list(found.values())
 
 
 def _op_name(func: Any) -> str:
@@ -101,23 +151,42 @@ class WriteWatch(TorchDispatchMode):
                 continue
             owner = self.modules.owner(s, t, metadata_only)
             entries = [] if metadata_only else self.saved.saving(s)
-            if owner is None and not entries:
+            # a module's own parameter or buffer (BatchNorm's running statistics) is no second name
+            own = owner is not None or metadata_only or self.phase != "forward" or self.modules.kept(s) is not None
+            aliases = [] if own else self._aliases(t)
+            if owner is None and not entries and not aliases:
                 continue
             where = where or write_site(sys._getframe(), self.modules)  # never the audit's caller
             seq, op = self.recorder.next(), _op_name(func)
             if owner is not None:
                 self._moved(seq, op, where, s, *owner)
+            if aliases:
+                alias = Alias(seq, self.modules.running(sys._getframe()), where, op, self.modules.writer())
+                for frame, name in aliases:
+                    self.tracer.watch(frame, name, alias)
             if entries:
                 module = self.modules.running(sys._getframe())
-                self.candidates.append(Candidate(seq, module, where, op, self.phase, entries))
+                self.candidates.append(Candidate(seq, module, where, op, self.phase, entries, self.modules.writer()))
+
+    def _aliases(self, t: Tensor) -> List[Tuple[FrameType, str]]:
+        """The other names for the tensor object ``t`` (directly or in a tuple, list or dict) in
+        the user frame that writes it and the user frames that called it: not the names on the
+        writing line (the name written through), not views (a view is a reborrow)."""
+        site = user_frame(sys._getframe(), self.modules.stop)
+        if site is None:
+            return []
+        mine = line_names(site)
+        found: List[Tuple[FrameType, str]] = []
+        frame: Optional[FrameType] = site
+        while frame is not None and frame is not self.modules.stop:
+            if is_user(frame):
+                found += [(frame, n) for n in holders(frame, lambda v: v is t) if frame is not site or n not in mine]
+            frame = frame.f_back
+        return found
 
     def _moved(self, seq: int, op: str, where: str, s: Span, call: Call, arg: Arg) -> None:
-        message = (
-            f"`{call.module or '(root)'}` ({call.cls}) wrote into its argument `{arg.label}`, which it only "
-            "borrowed: in Rust that takes ownership (a move, forward_owned) or `&mut`"
-        )
-        self.recorder.add(seq, Finding("E0596", call.module, where, op, message))
-        move = Move(seq, call.module, where, op)
+        writer = self.modules.writer()
+        who = f"`{call.module or '(root)'}` ({writer or call.cls})"
 
         def overlaps(value: Any) -> bool:
             if not isinstance(value, Tensor):
@@ -125,9 +194,23 @@ class WriteWatch(TorchDispatchMode):
             other = span(value)
             return other is not None and other.overlaps(s)
 
+        holder = self.modules.kept(s)
+        if holder is None:
+            function = function_holding(sys._getframe(), self.modules.stop, overlaps)
+            holder = f"an input of `{function}`, which keeps it for backward" if function else None
+        if holder is not None:
+            message = (
+                f"{who} wrote into its argument `{arg.label}`, which is also {holder} and outlives the call: "
+                "the module only borrowed it (`&`); in Rust the write needs `&mut` or ownership (forward_owned)"
+            )
+            self.recorder.add(seq, Finding("E0596", call.module, where, op, message, writer=writer))
+        else:
+            message = f"{who} wrote into its argument `{arg.label}`, a temporary nothing else held: a move"
+            self.recorder.move(seq, Finding("move", call.module, where, op, message, writer=writer))
+        move = Move(seq, call.module, where, op, writer)
         for frame in self.modules.frames_above(call):
             for name in holders(frame, overlaps):
-                self.tracer.watch(frame, name, move)
+                self.recorder.same_value(self.tracer.watch(frame, name, move).seq, seq)
 
     def confirm(self, roots: Optional[List[Any]]) -> None:
         """Turns the candidates into ``E0502`` findings where the write bumped the version of a
@@ -144,5 +227,5 @@ class WriteWatch(TorchDispatchMode):
                     f"overwrote{during} the tensor that {type(e.node).__name__}{saver} saved for backward "
                     f"({e.attr.lstrip('_')}){others}: autograd borrowed it until backward, which will refuse it"
                 )
-                self.recorder.add(c.seq, Finding("E0502", c.module, c.where, c.op, message))
+                self.recorder.add(c.seq, Finding("E0502", c.module, c.where, c.op, message, writer=c.writer))
         self.candidates.clear()

@@ -2,8 +2,12 @@
 
 Every module of the audited model gets a forward pre-hook (pushes a :class:`Call`) and an
 always-called forward hook (pops it). A Rust or C++ twin (``plusequals.twin``) is watched as one
-module: it computes its children's work in Rust, and a hook on a child would make it read the
-block again.
+module, the audited model itself included: it computes its children's work in Rust, and a hook
+on a child would make it read the block again.
+
+What outlives a call in someone else's hands (:meth:`ModuleWatch.kept`): the parameters, buffers
+and tensor attributes of the watched modules, and the arguments of the audited call itself. The
+watch keeps nothing after :meth:`ModuleWatch.detach` (its caches are its own, not the module's).
 """
 
 from __future__ import annotations
@@ -37,27 +41,35 @@ class Call(NamedTuple):
     args: Tuple[Arg, ...]
     caller: Optional[FrameType]  # the user frame that called the module (None: the audit itself)
     ident: int  # id() of the module object
+    obj: Any = None  # the module (held while it runs)
 
 
-_PARAMS: Dict[Any, Tuple[str, ...]] = {}
-
-
-def _param_names(fn: Any) -> Tuple[str, ...]:
-    """The positional parameters' names of a module's ``forward`` (or of a plain callable)."""
+def _param_names(fn: Any, cache: Dict[Any, Tuple[str, ...]]) -> Tuple[str, ...]:
+    """The positional parameters' names of a module's ``forward`` (or of a plain callable);
+    ``cache`` is one audit's (a module-wide one would keep every audited callable alive)."""
     call = fn.forward if isinstance(fn, nn.Module) else fn
     key = getattr(call, "__func__", call)
-    found = _PARAMS.get(key)
+    found = cache.get(key)
     if found is None:
         try:
             params = list(inspect.signature(call).parameters.values())
         except (TypeError, ValueError):
             params = []
-        found = _PARAMS[key] = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        found = cache[key] = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
     return found
 
 
-def arguments(module: Any, args: tuple, kwargs: dict) -> Tuple[Arg, ...]:
-    names = _param_names(module)
+def writer_of(module: Any) -> Optional[str]:
+    """How torch's own module ``module`` is written in code (``nn.ReLU(inplace=True)``); None for
+    a module that is not torch's."""
+    cls = type(module)
+    if not cls.__module__.startswith("torch.nn."):
+        return None
+    return f"nn.{cls.__name__}" + ("(inplace=True)" if getattr(module, "inplace", False) is True else "")
+
+
+def arguments(module: Any, args: tuple, kwargs: dict, cache: Dict[Any, Tuple[str, ...]]) -> Tuple[Arg, ...]:
+    names = _param_names(module, cache)
     labelled = [(names[i] if i < len(names) else f"args[{i}]", v) for i, v in enumerate(args)]
     labelled += list(kwargs.items())
     out = []
@@ -77,19 +89,25 @@ class ModuleWatch:
         self.stack: List[Call] = []
         self.calls = 0
         self.watched = 0
-        self._stop = stop  # the audit's frame: frames above it are not the model's
+        self.stop = stop  # the audit's frame: frames above it are not the model's
+        self._stop = stop
         self._names: Dict[int, str] = {}
+        self._params: Dict[Any, Tuple[str, ...]] = {}
+        self._kept: Dict[int, List[Tuple[Span, Tuple[str, str]]]] = {}  # storage -> (span, (kind, name))
+        self._root: Optional[int] = None  # id() of the audited module
         self._handles: List[Any] = []
         self._thread = threading.get_ident()
 
     def attach(self, model: nn.Module) -> None:
+        self._root = id(model)
         opaque: List[str] = []
         for name, m in model.named_modules():
-            if any(name.startswith(prefix + ".") for prefix in opaque):
+            if any(prefix == "" or name.startswith(prefix + ".") for prefix in opaque):
                 continue
             if type(m).__module__.startswith(_OPAQUE_PREFIX):
                 opaque.append(name)
             self._names[id(m)] = name
+            self._keep_module(name, m)
             self._handles.append(m.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True))
             self._handles.append(m.register_forward_hook(self._leave, with_kwargs=True, always_call=True))
         self.watched = len(self._names)
@@ -99,12 +117,46 @@ class ModuleWatch:
             h.remove()
         self._handles.clear()
         self.stack.clear()
+        self._params.clear()
+        self._kept.clear()
+
+    def _keep(self, t: Tensor, label: Tuple[str, str]) -> None:
+        # the whole storage (a parameter owns its storage, or shares a flat one with others that
+        # are parameters too): its address only, cheaper than a span, for every audit's attach
+        try:
+            storage = t.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        self._kept.setdefault(storage, []).append((Span(storage, 0, sys.maxsize), label))
+
+    def _keep_module(self, name: str, m: nn.Module) -> None:
+        prefix = name + "." if name else ""
+        with torch._C.DisableTorchFunction():
+            for kind, tensors_ in (("parameter", m._parameters), ("buffer", m._buffers)):
+                for attr, t in tensors_.items():
+                    if t is not None:
+                        self._keep(t, (kind, prefix + attr))
+            for attr, t in vars(m).items():
+                if isinstance(t, Tensor):
+                    self._keep(t, ("attribute", prefix + attr))
+
+    def _keep_given(self, args: Tuple[Arg, ...]) -> None:
+        for a in args:
+            self._kept.setdefault(a.span.storage, []).append((a.span, ("audited call's argument", a.label)))
+
+    def kept(self, written: Span) -> Optional[str]:
+        """What else holds the memory ``written`` and outlives the running calls (a parameter,
+        a buffer, a module's tensor attribute, the audited call's argument), or None."""
+        for s, (kind, label) in self._kept.get(written.storage, ()):
+            if s.overlaps(written):
+                return f"the {kind} `{label}`"
+        return None
 
     def push_root(self, fn: Any, args: tuple, kwargs: dict) -> None:
         """For a callable that is not a module: its arguments are the borrowed ones."""
-        self.stack.append(
-            Call("", getattr(fn, "__qualname__", type(fn).__name__), arguments(fn, args, kwargs), None, 0)
-        )
+        given = arguments(fn, args, kwargs, self._params)
+        self._keep_given(given)
+        self.stack.append(Call("", getattr(fn, "__qualname__", type(fn).__name__), given, None, 0))
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if threading.get_ident() != self._thread:
@@ -112,7 +164,10 @@ class ModuleWatch:
         self.calls += 1
         caller = user_frame(sys._getframe(1), self._stop)
         name = self._names.get(id(module), type(module).__name__)
-        self.stack.append(Call(name, type(module).__qualname__, arguments(module, args, kwargs), caller, id(module)))
+        given = arguments(module, args, kwargs, self._params)
+        if id(module) == self._root and not self.stack:
+            self._keep_given(given)
+        self.stack.append(Call(name, type(module).__qualname__, given, caller, id(module), module))
         return None
 
     def _leave(self, module: nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
@@ -126,6 +181,10 @@ class ModuleWatch:
 
     def current(self) -> str:
         return self.stack[-1].module if self.stack else ""
+
+    def writer(self) -> Optional[str]:
+        """torch's own module running innermost (``nn.ReLU(inplace=True)``), if it is torch's."""
+        return writer_of(self.stack[-1].obj) if self.stack else None
 
     def running(self, frame: Optional[FrameType]) -> str:
         """The innermost module running at ``frame``: the innermost call, or when no call is

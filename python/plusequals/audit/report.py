@@ -9,9 +9,14 @@ __all__ = ["CODES", "AuditReport", "Finding"]
 
 # rustc's error codes, and what each means for a module's tensors.
 CODES: Dict[str, str] = {
-    "E0596": "a module wrote into a tensor it was given (an argument it only borrowed)",
-    "E0382": "a name read after a module wrote into its value (a use after move)",
+    "E0596": (
+        "a module wrote into a tensor it was given that outlives the call in other hands (a parameter, "
+        "a buffer, a module's tensor attribute, an autograd.Function's input, or the audited call's own "
+        "argument): it only borrowed it"
+    ),
+    "E0382": "a name that held a tensor before a module wrote into it was read afterwards (a use after move)",
     "E0502": "a write into a tensor that autograd saved for backward (borrowed until backward)",
+    "E0499": "a tensor written through one name while another live name for it is read afterwards",
 }
 
 
@@ -20,7 +25,10 @@ class Finding:
     """One rule broken. ``module`` is the qualified name (``named_modules()``; ``""`` is the
     audited module itself); ``where`` is the ``path:line`` of the write, in the innermost frame
     outside torch and the audit; an ``E0382`` has ``read_at``, the line that read the moved name.
-    ``count`` is how many times the same write (same code, module, line and op) was seen."""
+    ``count`` is how many times the same write (same code, module, line and op) was seen.
+    ``writer``: torch's own module that wrote, as code writes it (``nn.ReLU(inplace=True)``),
+    when the write happened inside one (``where`` is still the user's line that called it).
+    A :attr:`AuditReport.moves` record has code ``"move"``."""
 
     code: str
     module: str
@@ -29,6 +37,7 @@ class Finding:
     message: str
     read_at: Optional[str] = None
     count: int = 1
+    writer: Optional[str] = None
 
     def key(self) -> Tuple[str, str, str, str, Optional[str]]:
         return (self.code, self.module, self.where, self.op, self.read_at)
@@ -41,7 +50,10 @@ class AuditReport:
     ``error`` / ``backward_error``: the first line of what the forward / backward raised, if
     anything (the audit never hides the model's own error; findings before it are kept).
     ``allowed``: the findings a ``# plusequals: allow(CODE)`` on their line silenced;
-    ``unused_allows``: ``(path:line, code)`` of each allowed code that silenced nothing."""
+    ``unused_allows``: ``(path:line, code)`` of each allowed code that silenced nothing.
+    ``backward_skipped``: why ``backward=True`` ran no backward (no output requires grad).
+    ``moves``: writes into a temporary that nothing else held and no name read afterwards (code
+    ``"move"``; Rust accepts them: the module took the value by value). Never findings."""
 
     findings: List[Finding] = field(default_factory=list)
     ops: int = 0
@@ -51,6 +63,8 @@ class AuditReport:
     backward_error: Optional[str] = None
     allowed: List[Finding] = field(default_factory=list)
     unused_allows: List[Tuple[str, str]] = field(default_factory=list)
+    backward_skipped: Optional[str] = None
+    moves: List[Finding] = field(default_factory=list)
 
     @property
     def codes(self) -> List[str]:

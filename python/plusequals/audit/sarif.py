@@ -14,7 +14,12 @@ from .sites import relative
 __all__ = ["to_json", "to_sarif"]
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
-_RULE_NAMES = {"E0596": "WriteIntoBorrowed", "E0382": "UseAfterMove", "E0502": "WriteIntoSavedForBackward"}
+_RULE_NAMES = {
+    "E0596": "WriteIntoBorrowed",
+    "E0382": "UseAfterMove",
+    "E0502": "WriteIntoSavedForBackward",
+    "E0499": "TwoMutableNames",
+}
 _UNUSED_ALLOW = "unused-allow"
 
 
@@ -118,7 +123,7 @@ def _rules() -> List[Dict[str, Any]]:
             "help": {"text": RUST_HELP[code]},
             "defaultConfiguration": {"level": "error"},
         }
-        for code in ("E0596", "E0382", "E0502")
+        for code in _RULE_NAMES
     ]
     rules.append(
         {
@@ -149,7 +154,7 @@ def _result(d: Diagnostic, index: Dict[str, int]) -> Dict[str, Any]:
 def to_sarif(
     calls: Sequence[Tuple[str, Any]], unused: Iterable[Tuple[str, str]] = (), **invocation: Any
 ) -> Dict[str, Any]:
-    """A SARIF 2.1.0 log: one run, the rules E0596/E0382/E0502 (and unused allows), a result for
+    """A SARIF 2.1.0 log: one run, the rules E0596/E0382/E0502/E0499 (and unused allows), a result for
     each finding and warning; locations are relative to the working directory (``SRCROOT``)."""
     rules = _rules()
     index = {r["id"]: i for i, r in enumerate(rules)}

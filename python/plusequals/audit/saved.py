@@ -42,6 +42,17 @@ def _saved_attrs(cls: type) -> Tuple[str, ...]:
     return found
 
 
+# Per node class, the saved attributes that hold no tensor (sizes, scalars, dtypes): not read
+# again. Keyed by autograd's node classes, which live as long as torch.
+_SCALARS: Dict[type, Set[str]] = {}
+
+
+def _scalar(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return len(value) > 0 and all(isinstance(v, (int, float, bool, torch.SymInt)) for v in value)
+    return isinstance(value, (int, float, bool, str, torch.dtype, torch.device))
+
+
 def _hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
@@ -83,10 +94,17 @@ class SavedTensors(TorchFunctionMode):
             stack.extend(next_node for next_node, _ in n.next_functions)
 
     def _note_saved(self, node: Any) -> None:
-        for attr in _saved_attrs(type(node)):
+        cls = type(node)
+        scalars = _SCALARS.setdefault(cls, set())
+        for attr in _saved_attrs(cls):
+            if attr in scalars:
+                continue
             try:
                 value = getattr(node, attr)
             except RuntimeError:  # freed, or saved as undefined
+                continue
+            if _scalar(value):
+                scalars.add(attr)  # an int, a size, a dtype: never a tensor for this node class
                 continue
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, Tensor):

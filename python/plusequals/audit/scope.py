@@ -99,7 +99,7 @@ class CallAudit:
         finally:
             self.watch.tracer.stop()
             self.modules.detach()
-            self.report.findings = self.recorder.findings()
+            self.report.findings, self.report.moves = self.recorder.findings(), self.recorder.moves()
             self.report.ops, self.report.calls = self.watch.ops, self.modules.calls
 
     def backward(self, out: Any, keep: bool, leaves: Iterable[Tensor] = ()) -> None:
@@ -224,7 +224,7 @@ class AuditScope:
         frame = user_frame(sys._getframe(2))
         caller = location(frame)
         unit = CallAudit(module, args, kwargs, stop=sys._getframe())
-        versions = _versions(arguments(module, args, kwargs))
+        versions = _versions(arguments(module, args, kwargs, {}))
         try:
             with unit.watching() as report:
                 try:

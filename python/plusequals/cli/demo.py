@@ -272,9 +272,10 @@ def _audit(console: Console, verdict) -> None:
     say(
         console,
         "plusequals.audit(model, *args) runs the PyTorch model once and names, with rustc's codes, each write "
-        "into a borrowed tensor (E0596), each read of a name after that write moved its value (E0382) and each "
-        "write into a tensor autograd saved (E0502). The seed's iadd in a UNet level that keeps the block's "
-        "input for its skip, then in textual-inversion training:\n",
+        "into a tensor a module was given that someone else still holds (E0596), each read of a name after that "
+        "write moved its value (E0382) and each write into a tensor autograd saved (E0502); a write into a "
+        "temporary nothing else holds is a move, as in Rust, not a finding. The seed's iadd in a UNet level "
+        "that keeps the block's input for its skip, then in textual-inversion training:\n",
     )
     for setting in ("skip", "training"):
         report = cases.strategy_audit("iadd", setting)

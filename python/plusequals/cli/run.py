@@ -32,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m plusequals audit run",
         usage="%(prog)s [options] (SCRIPT | -m MODULE) [ARGS...]",
         description="Runs a program as __main__ with its own sys.argv (as python -m cProfile does) and audits "
-        "every outermost nn.Module call it makes: rustc's verdicts E0596, E0382, E0502, with their lines.",
+        "every outermost nn.Module call it makes: rustc's verdicts E0596, E0382, E0502, E0499, with their lines.",
         epilog="The program's output is its own; the audit's goes to --output FILE, else to stderr. Exit status: "
         "the program's own if it failed (1 if it raised), else 1 when the audit found errors, else 0.",
     )

@@ -1,0 +1,533 @@
+"""Real in-place and aliasing bugs from public issues and pull requests, each as a minimal module
+with the original's structure (written here, not copied), its fixed twin, and the source URL.
+
+Every :data:`CAUGHT` case must be found with its :attr:`Case.code` at the line its fix changed
+or at the read that broke (:attr:`Case.line`), and its fixed twin must give no finding
+(``tests/test_audit_corpus.py``). :data:`MISSED` would hold real bugs the audit does not catch.
+It lives in the package, next to :mod:`.cases`, so that the README's table
+(``scripts/audit_tables.py``) is made from the same cases the tests run; it imports only torch
+and the audit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Callable, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import AuditReport, Finding, audit
+from .frames import short_path
+
+__all__ = ["CAUGHT", "MISSED", "Case", "Result", "expected_line", "markdown", "results", "run_case"]
+
+
+class Case(NamedTuple):
+    name: str
+    url: str
+    pattern: str  # what the bug does, in a few words
+    build: Callable[[bool], object]  # build(fixed) -> the module (or function) to audit
+    inputs: Callable[[torch.Generator], Tuple[tuple, dict]]
+    training: bool  # audited with grad and backward (else under no_grad)
+    code: Optional[str]  # the code it must give (None: a missed bug, see MISSED)
+    line: Tuple[object, str]  # (class or function, text on the line): where, or read_at for E0382
+
+
+def _img(*shape: int) -> Callable[[torch.Generator], Tuple[tuple, dict]]:
+    return lambda g: ((torch.randn(*shape, generator=g),), {})
+
+
+# -- 1. rosinality/vq-vae-2-pytorch: ReLU(inplace=True) first in the residual stack ---------------
+class VqvaeResBlock(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(
+            nn.ReLU(inplace=not fixed), nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(8, 4, 1)
+        )
+
+    def forward(self, input: Tensor) -> Tensor:
+        out = self.conv(input)
+        out += input  # the skip reads the input the first ReLU overwrote
+        return out
+
+
+class VqvaeEncoder(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.conv_in, self.res = nn.Conv2d(3, 4, 3, padding=1), VqvaeResBlock(fixed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.res(self.conv_in(x))
+
+
+# -- 2. pytorch/vision #807: the ReLU moved before the residual add ------------------------------
+class PreActOrderBlock(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.conv1, self.bn1 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.fixed:
+            out += identity
+            return self.relu(out)
+        out = self.relu(out)
+        out += identity  # ReluBackward0 saved `out`
+        return out
+
+
+# -- 3. mapillary/inplace_abn #40: an Xception block whose rep starts with an in-place ReLU -------
+class XceptionBlock(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.relu = nn.ReLU(inplace=not fixed)
+        self.rep = nn.Sequential(self.relu, nn.Conv2d(4, 4, 3, padding=1, groups=4), nn.Conv2d(4, 4, 1))
+
+    def forward(self, inp: Tensor) -> Tensor:
+        x = self.rep(inp)
+        skip = inp  # the identity skip: `inp` was overwritten by the rep's first ReLU
+        x += skip
+        return x
+
+
+class XceptionEntry(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.stem, self.block = nn.Conv2d(3, 4, 3, padding=1), XceptionBlock(fixed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.block(self.stem(x))
+
+
+# -- 4. NVIDIA/earth2studio #1133: StormCast writes each step back into the caller's tensor --------
+class StormCastStep(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.net = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: Tensor, conditioning: Tensor) -> Tensor:
+        if self.fixed:
+            x = x.clone()
+        for k in range(x.shape[1]):
+            x[:, k : k + 1] = self.net(torch.cat([x, conditioning], 1))[:, :1]
+        return x
+
+
+# -- 5. lzx1413/PytorchSSD #72: L2Norm divides its input in place -------------------------------
+class L2Norm(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.weight = nn.Parameter(torch.full((4,), 20.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        norm = x.pow(2).sum(dim=1, keepdim=True).sqrt() + 1e-10
+        if self.fixed:
+            x = x / norm
+        else:
+            x /= norm  # pow saved x
+        return self.weight[None, :, None, None] * x
+
+
+class SsdSources(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.vgg = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True))
+        self.l2norm, self.extra = L2Norm(fixed), nn.Conv2d(4, 4, 3, stride=2, padding=1)
+
+    def forward(self, image: Tensor) -> Tensor:
+        x = self.vgg(image)
+        source = self.l2norm(x)
+        x = self.extra(x)
+        return source.sum() + x.sum()
+
+
+# -- 6. lyongo/NWPU-MOC #4: an FPN adds the upsampled level into a ReLU's output in place ---------
+class FpnTopDown(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.lateral = nn.ModuleList([nn.Conv2d(4, 4, 1) for _ in range(3)])
+
+    def forward(self, c2: Tensor, c3: Tensor, c4: Tensor) -> Tensor:
+        laterals = [F.relu(conv(c)) for conv, c in zip(self.lateral, (c2, c3, c4))]
+        for i in range(len(laterals) - 1, 0, -1):
+            up = F.interpolate(laterals[i], size=laterals[i - 1].shape[2:], mode="nearest")
+            if self.fixed:
+                laterals[i - 1] = laterals[i - 1] + up
+            else:
+                laterals[i - 1] += up  # ReluBackward0 saved laterals[i - 1]
+        return sum(t.sum() for t in laterals)
+
+
+def _fpn_inputs(g: torch.Generator) -> Tuple[tuple, dict]:
+    return tuple(torch.randn(2, 4, s, s, generator=g) for s in (16, 8, 4)), {}
+
+
+# -- 7. huggingface/transformers #47741: a QA head clamps the caller's label tensors in place ------
+class QaHead(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.qa_outputs = nn.Linear(8, 2)
+
+    def forward(self, hidden: Tensor, start_positions: Tensor, end_positions: Tensor) -> Tensor:
+        start_logits, end_logits = self.qa_outputs(hidden).unbind(-1)
+        ignored_index = start_logits.size(1)
+        if self.fixed:
+            start_positions = start_positions.clamp(0, ignored_index)
+            end_positions = end_positions.clamp(0, ignored_index)
+        else:
+            start_positions.clamp_(0, ignored_index)
+            end_positions.clamp_(0, ignored_index)
+        loss = F.cross_entropy(start_logits, start_positions, ignore_index=ignored_index)
+        return (loss + F.cross_entropy(end_logits, end_positions, ignore_index=ignored_index)) / 2
+
+
+def _qa_inputs(g: torch.Generator) -> Tuple[tuple, dict]:
+    return (torch.randn(2, 5, 8, generator=g), torch.tensor([1, 9999]), torch.tensor([3, 9999])), {}
+
+
+# -- 8. huggingface/transformers #47741: CTRL scales the caller's inputs_embeds in place ----------
+class CtrlEmbed(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.fixed, self.d_model = fixed, 8
+        self.w, self.layer = nn.Embedding(11, 8), nn.Linear(8, 8)
+
+    def forward(self, input_ids: Optional[Tensor] = None, inputs_embeds: Optional[Tensor] = None) -> Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.w(input_ids)
+        if self.fixed:
+            inputs_embeds = inputs_embeds * math.sqrt(self.d_model)
+        else:
+            inputs_embeds *= math.sqrt(self.d_model)
+        return self.layer(inputs_embeds)
+
+
+# -- 9. pytorch/vision #517: transforms' normalize subtracted and divided in place ----------------
+def normalize_inplace(tensor: Tensor, mean: List[float], std: List[float]) -> Tensor:
+    for t, m, s in zip(tensor, mean, std):
+        t.sub_(m).div_(s)
+    return tensor
+
+
+def normalize_fixed(tensor: Tensor, mean: List[float], std: List[float]) -> Tensor:
+    return (tensor - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+
+
+def _normalize_inputs(g: torch.Generator) -> Tuple[tuple, dict]:
+    return (torch.rand(3, 4, 4, generator=g), [0.5, 0.4, 0.3], [0.2, 0.2, 0.2]), {}
+
+
+# -- 10. Jee-King/TSAN #3: `out = x` then slice assignments into out (the fix: x.clone()) -------
+class CrossSplit(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.conv1 = nn.Conv2d(16, 16, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, w = x.size(2) // 2, x.size(3) // 2
+        quarters = [x[:, :, :h, :w], x[:, :, h:, :w], x[:, :, :h, w:], x[:, :, h:, w:]]
+        f_all = self.conv1(torch.cat(quarters, 1))
+        out = x.clone() if self.fixed else x
+        out[:, :, :h, :w] = f_all[:, :4]  # x was saved by the other branch's conv
+        out[:, :, h:, :w] = f_all[:, 4:8]
+        out[:, :, :h, w:] = f_all[:, 8:12]
+        out[:, :, h:, w:] = f_all[:, 12:]
+        return out
+
+
+class TsanBranch(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.first, self.drb, self.csb = nn.Conv2d(3, 4, 1), nn.Conv2d(4, 4, 3, padding=1), CrossSplit(fixed)
+
+    def forward(self, image: Tensor) -> Tensor:
+        x = self.first(image)
+        down = self.drb(x)
+        top = self.csb(x)
+        return down * torch.sigmoid(top)
+
+
+# -- 11. j-sripad/mulitresunet-pytorch #3: ResPath adds the shortcut into a ReLU's output --------
+class ConvBnAct(nn.Module):
+    def __init__(self, relu: bool) -> None:
+        super().__init__()
+        self.conv, self.bn, self.relu = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4, affine=False), relu
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.bn(self.conv(x))
+        return F.relu(x) if self.relu else x
+
+
+class ResPath(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.shortcut_conv, self.conv, self.bn = ConvBnAct(False), ConvBnAct(True), nn.BatchNorm2d(4, affine=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shortcut = self.shortcut_conv(x)
+        x = self.conv(x)
+        if self.fixed:
+            x = x + shortcut
+        else:
+            x += shortcut  # ReluBackward0 saved x
+        return self.bn(F.relu(x))
+
+
+# -- 12. thomasjpfan/pytorch_refinenet #2: the residual conv unit's first ReLU is in place --------
+class ResidualConvUnit(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.conv1, self.conv2 = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.relu(x) if self.fixed else self.relu(x)
+        out = self.conv2(self.relu(self.conv1(out)))
+        return out + x  # reads x, which the first ReLU overwrote
+
+
+class RefineStage(nn.Module):
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.proj, self.rcu = nn.Conv2d(3, 4, 1), ResidualConvUnit(fixed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.rcu(self.proj(x))
+
+
+# -- 13. huggingface/diffusers #3234: two names for one tensor in one function --------------------
+class ControlNetResiduals(nn.Module):
+    """diffusers PR #3234: the last down-block residual is the same tensor as ``sample``; adding
+    the ControlNet residual in place to it also changes the mid block's input."""
+
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.down, self.mid = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, sample: Tensor, residuals: Tuple[Tensor, ...]) -> Tensor:
+        sample = self.down(sample)
+        res_samples = (sample,)
+        new = ()
+        for res, extra in zip(res_samples, residuals):
+            if self.fixed:
+                res = res + extra
+            else:
+                res += extra  # `res` is also `sample`
+            new += (res,)
+        return self.mid(sample) + new[0]
+
+
+CAUGHT: Tuple[Case, ...] = (
+    Case(
+        "VQ-VAE-2 ResBlock",
+        "https://github.com/rosinality/vq-vae-2-pytorch/issues/60",
+        "`nn.ReLU(inplace=True)` first in the residual stack; the skip reads the overwritten input",
+        VqvaeEncoder,
+        _img(2, 3, 8, 8),
+        False,
+        "E0382",
+        (VqvaeResBlock, "out += input"),
+    ),
+    Case(
+        "torchvision ResNet, ReLU before the add",
+        "https://github.com/pytorch/vision/issues/807",
+        "`out = self.relu(out); out += identity`: the in-place add overwrites what ReLU saved",
+        PreActOrderBlock,
+        _img(2, 4, 8, 8),
+        True,
+        "E0502",
+        (PreActOrderBlock, "out += identity  # ReluBackward0"),
+    ),
+    Case(
+        "Xception block (inplace_abn)",
+        "https://github.com/mapillary/inplace_abn/issues/40",
+        "the rep's first `nn.ReLU(inplace=True)` overwrites the block input kept for the identity skip",
+        XceptionEntry,
+        _img(2, 3, 8, 8),
+        False,
+        "E0382",
+        (XceptionBlock, "skip = inp"),
+    ),
+    Case(
+        "earth2studio StormCast",
+        "https://github.com/NVIDIA/earth2studio/issues/1133",
+        "each step is written back into the caller's input tensor (fix: `x = x.clone()`)",
+        StormCastStep,
+        lambda g: ((torch.randn(2, 2, 4, 4, generator=g), torch.randn(2, 2, 4, 4, generator=g)), {}),
+        False,
+        "E0596",
+        (StormCastStep, "x[:, k : k + 1] ="),
+    ),
+    Case(
+        "SSD L2Norm",
+        "https://github.com/lzx1413/PytorchSSD/issues/72",
+        "`x /= norm` overwrites the input that `pow` saved (and that the next layer reads)",
+        SsdSources,
+        _img(2, 3, 8, 8),
+        True,
+        "E0502",
+        (L2Norm, "x /= norm"),
+    ),
+    Case(
+        "FPN top-down (NWPU-MOC)",
+        "https://github.com/lyongo/NWPU-MOC/issues/4",
+        "`laterals[i - 1] += F.interpolate(...)` into a ReLU's saved output",
+        FpnTopDown,
+        _fpn_inputs,
+        True,
+        "E0502",
+        (FpnTopDown, "laterals[i - 1] += up"),
+    ),
+    Case(
+        "transformers QA head (canine, luke, ...)",
+        "https://github.com/huggingface/transformers/issues/47741",
+        "`start_positions.clamp_(...)` rewrites the caller's label tensor",
+        QaHead,
+        _qa_inputs,
+        False,
+        "E0596",
+        (QaHead, "start_positions.clamp_("),
+    ),
+    Case(
+        "transformers CTRL inputs_embeds",
+        "https://github.com/huggingface/transformers/issues/47741",
+        "`inputs_embeds *= sqrt(d_model)` scales the caller's embeddings",
+        CtrlEmbed,
+        lambda g: ((), {"inputs_embeds": torch.randn(2, 3, 8, generator=g)}),
+        False,
+        "E0596",
+        (CtrlEmbed, "inputs_embeds *= math.sqrt"),
+    ),
+    Case(
+        "torchvision normalize",
+        "https://github.com/pytorch/vision/issues/517",
+        "`t.sub_(mean).div_(std)` on the caller's image",
+        lambda fixed: normalize_fixed if fixed else normalize_inplace,
+        _normalize_inputs,
+        False,
+        "E0596",
+        (normalize_inplace, "t.sub_(m).div_(s)"),
+    ),
+    Case(
+        "TSAN cross-split block",
+        "https://github.com/Jee-King/TSAN/issues/3",
+        "`out = x` then slice assignments into `out`, whose input another branch's conv saved",
+        TsanBranch,
+        _img(2, 3, 8, 8),
+        True,
+        "E0502",
+        (CrossSplit, "out[:, :, :h, :w] = f_all[:, :4]"),
+    ),
+    Case(
+        "MultiResUNet ResPath",
+        "https://github.com/j-sripad/mulitresunet-pytorch/issues/3",
+        "`x += shortcut` into the output of a ReLU that saved it",
+        ResPath,
+        _img(2, 4, 8, 8),
+        True,
+        "E0502",
+        (ResPath, "x += shortcut  # ReluBackward0"),
+    ),
+    Case(
+        "RefineNet residual conv unit",
+        "https://github.com/thomasjpfan/pytorch_refinenet/issues/2",
+        "the unit's first `nn.ReLU(inplace=True)` overwrites `x`, which `return out + x` reads",
+        RefineStage,
+        _img(2, 3, 8, 8),
+        False,
+        "E0382",
+        (ResidualConvUnit, "return out + x"),
+    ),
+    Case(
+        "diffusers ControlNet residuals",
+        "https://github.com/huggingface/diffusers/pull/3234",
+        "`down_block_res_sample += residual` also writes `sample`, the mid block's input",
+        ControlNetResiduals,
+        lambda g: ((torch.randn(2, 4, 8, 8, generator=g), (torch.randn(2, 4, 8, 8, generator=g),)), {}),
+        False,
+        "E0499",
+        (ControlNetResiduals, "res += extra"),
+    ),
+)
+
+
+# Real bugs the audit misses: none of those found (the two-names rule, E0499, catches the last one).
+MISSED: Tuple[Case, ...] = ()
+
+
+def expected_line(case: Case) -> str:
+    """``path:line`` of the line the case names, as the audit writes it."""
+    obj, text = case.line
+    src, start = inspect.getsourcelines(obj)
+    offset = next(i for i, s in enumerate(src) if text in s)
+    return f"{short_path(inspect.getsourcefile(obj) or '')}:{start + offset}"
+
+
+def run_case(case: Case, fixed: bool, seed: int = 0) -> AuditReport:
+    """Audits the bug (or its fixed twin) once, as the original ran: training (forward and
+    backward) or under ``no_grad``."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = case.build(fixed)
+    if isinstance(model, nn.Module):
+        model.train(case.training)
+    args, kwargs = case.inputs(g)
+    with torch.enable_grad() if case.training else torch.no_grad():
+        return audit(model, *args, backward=case.training, **kwargs)
+
+
+class Result(NamedTuple):
+    case: Case
+    bug: AuditReport
+    fixed: AuditReport
+
+    @property
+    def hit(self) -> Optional[Finding]:
+        """The finding with the case's code at the case's line (``read_at`` for ``E0382``)."""
+        want = expected_line(self.case)
+        for f in self.bug.by_code(self.case.code or ""):
+            if (f.read_at if f.code == "E0382" else f.where) == want:
+                return f
+        return None
+
+
+def results(cases: Tuple[Case, ...] = CAUGHT) -> List[Result]:
+    return [Result(c, run_case(c, False), run_case(c, True)) for c in cases]
+
+
+def _codes(report: AuditReport) -> str:
+    return ", ".join(f"{c} x{len(report.by_code(c))}" for c in report.codes) or "clean"
+
+
+def markdown(rows: List[Result]) -> str:
+    """The README's corpus table."""
+    lines = [
+        "| bug | source | what it does | the audit (bug) | at | fixed twin |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        hit = r.hit
+        at = "missed" if hit is None else f"{hit.code} at `{hit.read_at if hit.code == 'E0382' else hit.where}`"
+        source = r.case.url.replace("https://github.com/", "").replace("/issues/", "#").replace("/pull/", "#")
+        fixed = _codes(r.fixed) + (f", {len(r.fixed.moves)} moves" if r.fixed.moves else "")
+        lines.append(
+            f"| {r.case.name} | [{source}]({r.case.url}) | {r.case.pattern} | {_codes(r.bug)} | {at} | {fixed} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,36 @@
+"""Regenerates the README's audit corpus and sweep tables (issue 31).
+
+    python scripts/audit_tables.py            # both (the full sweep: about 2 minutes on 2 cores)
+    python scripts/audit_tables.py corpus     # only the corpus
+
+tests/test_audit_corpus.py and tests/test_audit_sweep.py check the tables are current.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    start, end = f"<!-- {name} -->\n", f"<!-- /{name} -->"
+    i, j = text.index(start) + len(start), text.index(end)
+    return text[:i] + body + "\n" + text[j:]
+
+
+def main(which: list) -> None:
+    from plusequals.audit import corpus, sweep
+
+    text = README.read_text()
+    if not which or "corpus" in which:
+        text = replace_block(text, "audit-corpus", corpus.markdown(corpus.results() + corpus.results(corpus.MISSED)))
+    if not which or "sweep" in which:
+        rows = [sweep.run(e) for family in sweep.families() for e in sweep.entries(family)]
+        text = replace_block(text, "audit-sweep", sweep.markdown(rows))
+    README.write_text(text)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
