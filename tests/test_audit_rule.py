@@ -160,7 +160,7 @@ def audited_and_dropped():
 
 
 def test_nothing_the_audit_saw_stays_alive_after_it_returns():
-    import plusequals.audit.modules as modules
+    from plusequals.audit import modules
 
     assert not hasattr(modules, "_PARAMS")  # no module-wide cache of audited callables
     refs, reports = audited_and_dropped()
