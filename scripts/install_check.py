@@ -2,7 +2,8 @@
 (the wheel, then `pip install <repo>`), from a directory outside the repository.
 
 1. The package imported is the installed one, and its extension runs on that venv's libtorch:
-   every libtorch library mapped into the process lies under the venv's torch/lib.
+   every libtorch library mapped into the process lies under the venv's torch/lib, and so does
+   every one that `ldd` finds through the extension's rpath alone.
 2. The audit on a user's own script (written here into the working directory): E0596 and E0502,
    both at the script's line that writes into the tensor it was given.
 3. RustBlock against the PyTorch block, fp32 on the CPU, relative error <= 1e-5.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
 import sys
 
 import torch
@@ -46,6 +48,10 @@ if __name__ == "__main__":
 WRITE_LINE = 11  # h.mul_(...) in USER_SCRIPT
 
 
+def in_dir(path: str | pathlib.Path, folder: pathlib.Path) -> bool:
+    return pathlib.Path(path).resolve().is_relative_to(folder)
+
+
 def check_installed() -> None:
     site = pathlib.Path(torch.__file__).resolve().parent.parent
     package = pathlib.Path(plusequals.__file__).resolve()
@@ -54,8 +60,13 @@ def check_installed() -> None:
     maps = pathlib.Path("/proc/self/maps").read_text()
     loaded = {pathlib.Path(p).resolve() for p in re.findall(r"(/\S*/lib(?:torch|c10)\S*\.so\S*)", maps)}
     lib = site / "torch" / "lib"
-    stray = sorted(str(p) for p in loaded if not p.is_relative_to(lib))
+    stray = sorted(str(p) for p in loaded if not in_dir(p, lib))
     assert loaded and not stray, f"libtorch libraries from outside {lib}: {stray}"
+    # Loaded alone (no torch imported first), the extension's rpath finds this venv's libtorch.
+    ldd = subprocess.run(["ldd", str(extension)], capture_output=True, text=True, check=True).stdout
+    found = dict(re.findall(r"^\s*(lib(?:torch|c10)\S*\.so) => (\S+)", ldd, re.M))
+    elsewhere = sorted(f"{name} => {path}" for name, path in found.items() if not in_dir(path, lib))
+    assert "libtorch.so" in found and not elsewhere, f"the rpath resolves outside {lib}: {elsewhere or ldd}"
     print(f"installed: {package.parent} (extension {extension.name}), {len(loaded)} libtorch libraries from {lib}")
 
 
