@@ -21,6 +21,7 @@ help:
 	@echo "make test     set up, build, run clippy, cargo test and pytest (parity, bugs, compile-fail, aliases)"
 	@echo "make demo     set up, build, run python -m plusequals demo"
 	@echo "make wheel    set up, build the abi3 wheel into dist/ (maturin build --release)"
+	@echo "make test-install  the wheel, then pip install of this repo, each into a fresh venv with torch"
 
 # Set-up steps print one line each; their whole output goes to $(LOG) (scripts/step.sh prints
 # its tail and a diagnosis when a step fails). scripts/preflight.sh names what is missing first.

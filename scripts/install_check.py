@@ -88,6 +88,21 @@ def check_audit(workdir: pathlib.Path) -> None:
     print(f"audit: {', '.join(code for code, _ in found)} at {script.name}:{WRITE_LINE}")
 
 
+def check_audit_run(workdir: pathlib.Path) -> None:
+    """The same, as a user runs it once `python -m plusequals audit run` exists (issue 33, item 1):
+    main() calls this instead of check_audit then."""
+    script = workdir / "user_model.py"
+    script.write_text(USER_SCRIPT)
+    argv = [sys.executable, "-m", "plusequals", "audit", "run", script.name]
+    run = subprocess.run(argv, cwd=workdir, text=True, capture_output=True)
+    said = run.stdout + run.stderr
+    assert run.returncode == 1, f"audit run exited {run.returncode} (1: findings):\n{said}"
+    for code in ("E0596", "E0502"):
+        assert f"error[{code}]" in said, f"no {code}:\n{said}"
+    assert f"{script.name}:{WRITE_LINE}" in said, f"not at line {WRITE_LINE}:\n{said}"
+    print(f"audit run: E0502, E0596 at {script.name}:{WRITE_LINE}, exit 1")
+
+
 def check_parity() -> None:
     block = randomize_(BasicTransformerBlock(80, 8, 10, context_dim=192), seed=0).eval()
     g = torch.Generator().manual_seed(1)
@@ -102,7 +117,7 @@ def check_parity() -> None:
 
 def main() -> None:
     check_installed()
-    check_audit(pathlib.Path.cwd())
+    check_audit(pathlib.Path.cwd())  # check_audit_run once `audit run` has landed
     check_parity()
 
 
