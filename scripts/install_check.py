@@ -4,8 +4,9 @@
 1. The package imported is the installed one, and its extension runs on that venv's libtorch:
    every libtorch library mapped into the process lies under the venv's torch/lib, and so does
    every one that `ldd` finds through the extension's rpath alone.
-2. The audit on a user's own script (written here into the working directory): E0596 and E0502,
-   both at the script's line that writes into the tensor it was given.
+2. The audit on a user's own script (written here into the working directory), through
+   plusequals.audit and through `python -m plusequals audit run`: E0596 and E0502, both at the
+   script's line that writes into the tensor it was given.
 3. RustBlock against the PyTorch block, fp32 on the CPU, relative error <= 1e-5.
 
 Usage: python install_check.py   (exit status 0 when every check holds; each prints one line)
@@ -71,8 +72,8 @@ def check_installed() -> None:
 
 
 def check_audit(workdir: pathlib.Path) -> None:
-    """The audit on the user's script. While `python -m plusequals audit run` is not there, the
-    script's module is imported and its model audited with plusequals.audit(model, x)."""
+    """The audit on the user's script through the API: its module imported, its model audited
+    with plusequals.audit(model, x)."""
     script = workdir / "user_model.py"
     script.write_text(USER_SCRIPT)
     sys.path.insert(0, str(workdir))
@@ -89,8 +90,7 @@ def check_audit(workdir: pathlib.Path) -> None:
 
 
 def check_audit_run(workdir: pathlib.Path) -> None:
-    """The same, as a user runs it once `python -m plusequals audit run` exists (issue 33, item 1):
-    main() calls this instead of check_audit then."""
+    """The same script run by `python -m plusequals audit run`: exit 1, with both errors at the write."""
     script = workdir / "user_model.py"
     script.write_text(USER_SCRIPT)
     argv = [sys.executable, "-m", "plusequals", "audit", "run", script.name]
@@ -117,7 +117,8 @@ def check_parity() -> None:
 
 def main() -> None:
     check_installed()
-    check_audit(pathlib.Path.cwd())  # check_audit_run once `audit run` has landed
+    check_audit(pathlib.Path.cwd())
+    check_audit_run(pathlib.Path.cwd())
     check_parity()
 
 
