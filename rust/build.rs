@@ -1,7 +1,8 @@
 //! Link flags the torch-sys build script does not emit itself.
 //!
 //! * `-rpath <libtorch lib dir>`: test binaries and the extension find libtorch without
-//!   LD_LIBRARY_PATH (the lib dir is the pip torch's `torch/lib`).
+//!   LD_LIBRARY_PATH (the lib dir is the pip torch's `torch/lib`); before it
+//!   `$ORIGIN/../torch/lib`, the torch installed beside the extension (a wheel in another venv).
 //! * `--no-as-needed -ltorch`: keeps `libtorch.so` (which pulls in `libtorch_cuda.so`) as a
 //!   dependency even though no Rust symbol references it directly. Without it the CUDA kernels
 //!   are never registered when Rust calls libtorch, and CUDA ops fail with "Could not run ...
@@ -18,6 +19,9 @@ fn main() {
     println!("cargo:rerun-if-changed=rust/build.rs");
     println!("cargo:rerun-if-changed=cpp");
     let lib_dir = std::env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys sets DEP_TCH_LIBTORCH_LIB");
+    // First the torch beside an installed extension (site-packages/plusequals/../torch/lib): a
+    // wheel, or a `pip install` whose build environment (and its torch) is gone afterwards.
+    println!("cargo:rustc-link-arg=-Wl,-rpath=$ORIGIN/../torch/lib");
     println!("cargo:rustc-link-arg=-Wl,-rpath={lib_dir}");
     // For tests that run binaries built outside this crate (trybuild's twins).
     println!("cargo:rustc-env=PLUSEQUALS_LIBTORCH_LIB={lib_dir}");
