@@ -34,13 +34,16 @@ pub(super) fn donate_into(
     (context, masks): (Option<Tensor>, [Option<Tensor>; 2]),
 ) -> PyResult<Tensor> {
     let twins = block.get();
-    check_donation(py, &twins.rust, &tensor, context.as_ref())
-        .and_then(|()| twins.rust.check_masks(&tensor, context.as_ref(), masks_of(&masks)))
-        .map_err(|e| to_py(Error::Donation(Box::new(e))))?;
+    // Python code runs here and not after the check: making the donated class runs the user's
+    // `__init_subclass__`, whose weakrefs to x's storage the check then counts.
     let donated = donated_class(py, x)?;
     let original = x.get_type();
+    check_tangent(py, x)
+        .and_then(|()| check_donation(py, &twins.rust, &tensor, context.as_ref()))
+        .and_then(|()| twins.rust.check_masks(&tensor, context.as_ref(), masks_of(&masks)))
+        .map_err(|e| to_py(Error::Donation(Box::new(e))))?;
     let versions = twins.rust.weights_version();
-    x.setattr(pyo3::intern!(py, "__class__"), &donated)?;
+    set_class(x, &donated)?;
     let moved = match move_out(&tensor) {
         Some(owned) => Ok(owned),
         None => tensor.f_detach().and_then(|owned| tensor.f_set_().map(|_python_object| owned)),
@@ -48,7 +51,7 @@ pub(super) fn donate_into(
     let owned = match moved {
         Ok(owned) => owned,
         Err(e) => {
-            x.setattr(pyo3::intern!(py, "__class__"), &original)?;
+            set_class(x, &original)?;
             return Err(to_py(Error::Donation(Box::new(e.into()))));
         }
     };
@@ -67,13 +70,46 @@ pub(super) fn donate_into(
                 PyRuntimeError::new_err(format!("{e}; and putting x's buffer back failed: {restore}"))
             })?;
             drop(buffer);
-            x.setattr(pyo3::intern!(py, "__class__"), &original)?;
+            set_class(x, &original)?;
             Err(to_py(Error::Donation(Box::new(e))))
         }
         Err(Failure::Consumed(e)) => Err(DonationConsumed::new_err(format!(
             "x was donated and its buffer consumed: the in-place forward had already written into it when this \
              happened: {e}. The result was discarded, and x is marked donated (its old values are partly overwritten)"
         ))),
+    }
+}
+
+/// `x.__class__ = cls` by `object.__setattr__` itself: no Python code runs (a subclass's
+/// `__setattr__` would, between the check and the move).
+fn set_class(x: &Bound<'_, PyAny>, cls: &Bound<'_, PyAny>) -> PyResult<()> {
+    let name = pyo3::intern!(x.py(), "__class__");
+    // SAFETY: live objects borrowed for the call, the GIL held; object's generic setattr of
+    // `__class__` checks the layouts and runs no Python code for a class made by `donated_class`.
+    let rc = unsafe { pyo3::ffi::PyObject_GenericSetAttr(x.as_ptr(), name.as_ptr(), cls.as_ptr()) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(PyErr::fetch(x.py()))
+    }
+}
+
+/// Refuses a dual tensor (forward-mode AD): the move gives up the handle that holds its
+/// tangent. Tangents exist only inside `forward_ad.dual_level()` (leaving it frees them), so
+/// outside one this reads one module attribute.
+fn check_tangent(py: Python<'_>, x: &Bound<'_, PyAny>) -> Result<()> {
+    static FORWARD_AD: GILOnceCell<PyObject> = GILOnceCell::new();
+    let dual = || -> PyResult<bool> {
+        let fwad = FORWARD_AD.get_or_try_init(py, || py.import("torch.autograd.forward_ad").map(|m| m.into_any().unbind()))?;
+        let fwad = fwad.bind(py);
+        if fwad.getattr(pyo3::intern!(py, "_current_level"))?.extract::<i64>()? < 0 {
+            return Ok(false);
+        }
+        Ok(!fwad.call_method1(pyo3::intern!(py, "unpack_dual"), (x,))?.getattr(pyo3::intern!(py, "tangent"))?.is_none())
+    };
+    match dual() {
+        Ok(false) => Ok(()),
+        _ => Err(Error::NotOwned { arg: "x", why: Alias::Tangent }),
     }
 }
 

@@ -135,6 +135,15 @@ def _known_classes() -> set:
     return known
 
 
+def _data_descriptor(cls: type, name: str) -> bool:
+    """Whether ``name`` on ``cls`` (its MRO) is a data descriptor, which Python's attribute lookup
+    reads before the instance dict and a module's ``__getattr__`` (a property named ``weight``)."""
+    for c in cls.__mro__:
+        if name in c.__dict__:
+            return hasattr(type(c.__dict__[name]), "__set__")
+    return False
+
+
 class _Reader:
     def __init__(self, root: nn.Module, kids: Dict[str, Any]) -> None:
         self.root, self.kids = root, kids
@@ -148,6 +157,7 @@ class _Reader:
         self.accounted: set = set()
         self.skip_dropouts: set = set()
         self.lora: List[Tuple[str, int, float, bool]] = []
+        self.called: List[Any] = []  # what the forward calls besides modules (diffusers' processors)
 
     def no(self, reason: str) -> None:
         self.reasons.append(reason)
@@ -157,10 +167,23 @@ class _Reader:
 
     def param(self, owner: nn.Module, name: str, path: str, key: Optional[str] = None) -> Optional[torch.Tensor]:
         p = self.w.get(owner, name)
-        if isinstance(p, torch.Tensor) and name in owner._parameters:
-            self.slots[key or path] = (owner, name, path)
-            return p
-        return None
+        if not (isinstance(p, torch.Tensor) and name in owner._parameters):
+            return None
+        if name in owner.__dict__ or _data_descriptor(type(owner), name):
+            self.no(
+                f"{path} is shadowed by an attribute of the {'instance' if name in owner.__dict__ else 'class'} "
+                f"({class_name(owner)}), which Python's attribute lookup reads instead of the registered parameter"
+            )
+            return None
+        self.w.exact(p)  # a __class__ assigned in place is a change
+        if type(p) not in (nn.Parameter, torch.Tensor):
+            self.no(
+                f"{path} is a {class_name(p)}, not a plain nn.Parameter: a subclass's __torch_function__ or "
+                "__torch_dispatch__ would see the PyTorch block's ops, which the Rust block bypasses"
+            )
+            return None
+        self.slots[key or path] = (owner, name, path)
+        return p
 
     # -- leaves --------------------------------------------------------------------------------
 
@@ -237,6 +260,7 @@ class _Reader:
                 "(torch.nn.modules.module.register_module_*_hook): they fire on the PyTorch block's submodules, "
                 "which the Rust block bypasses; remove them (handle.remove()) to run it"
             )
+        self.w.code_of([m for _, m in modules] + self.called)
         params, buffers = [], []
         for path, m in modules:
             self.w.module(m)
@@ -533,6 +557,10 @@ def _read_diffusers(r: _Reader, block: nn.Module) -> Reading:
 def _diffusers_attention(r: _Reader, attn: Any, name: str, processor_mod) -> None:
     w = r.w
     processor = w.get(attn, "processor")
+    w.exact(processor)  # its class swapped in place is a change; its code is watched (Watch.code_of)
+    if getattr(processor, "__dict__", None) is not None:
+        w.state(processor)
+    r.called.append(processor)
     supported = tuple(getattr(processor_mod, n) for n in SUPPORTED_PROCESSORS)
     if type(processor) not in supported:
         r.no(
