@@ -453,9 +453,10 @@ class RustBlock(nn.Module):
         return self._call("forward_owned", x, context, donate=False, **masks)
 
     def _functorch_forward(self, x: Tensor, context: Optional[Tensor], masks: Dict[str, Tensor]) -> Tensor:
-        """``forward`` with functorch-wrapped weights (``torch.func`` over ``functional_call``):
-        through the custom op, whose autograd formula ``torch.func.grad`` and ``jvp``-free
-        transforms use; where the transform has no rule for it (vmap), refused naming functorch."""
+        """``forward`` with functorch-wrapped weights (``torch.func`` over ``functional_call``),
+        which have no storage to build on: through the custom op, and where the transform has no
+        rule for it (torch 2.11: neither ``grad``, whose autograd wrapper lacks functorch support,
+        nor ``vmap``), refused naming functorch."""
         try:
             return ops.block_forward(*self._op_args(x, context, masks))
         except (RuntimeError, NotImplementedError) as e:
