@@ -423,12 +423,12 @@ class RustBlock(nn.Module):
                 if y is not NotImplemented:
                     return y
         masks = _masks(attention_mask, encoder_attention_mask)
-        if _functorch_weights(self):
+        traced = torch.compiler.is_compiling() or symbolic(x, context) or (bool(masks) and symbolic(*_pair(masks)))
+        if not traced and _functorch_weights(self):
             raise UnsupportedBlockError(
                 f"{self._where()}: forward_owned cannot run on functorch-wrapped weights (torch.func.grad, vmap or "
-                "jvp over functional_call): the in-place forward needs the weights' storage; use forward()"
+                "jvp over functional_call): the in-place forward needs the weights' storage"
             )
-        traced = torch.compiler.is_compiling() or symbolic(x, context) or (bool(masks) and symbolic(*_pair(masks)))
         _check_tensor("x", x)
         _check_tensor("context", context, optional=True)
         _refuse_grad(x, context)

@@ -135,6 +135,15 @@ def _known_classes() -> set:
     return known
 
 
+def _tracing_tensor(t: Any) -> bool:
+    """A FakeTensor or FunctionalTensor: the parameters as torch.export and torch.compile trace
+    them (the custom op runs then, on what they stand for)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(t, (FakeTensor, FunctionalTensor))
+
+
 def _data_descriptor(cls: type, name: str) -> bool:
     """Whether ``name`` on ``cls`` (its MRO) is a data descriptor, which Python's attribute lookup
     reads before the instance dict and a module's ``__getattr__`` (a property named ``weight``)."""
@@ -176,7 +185,7 @@ class _Reader:
             )
             return None
         self.w.exact(p)  # a __class__ assigned in place is a change
-        if type(p) not in (nn.Parameter, torch.Tensor):
+        if type(p) not in (nn.Parameter, torch.Tensor) and not _tracing_tensor(p):
             self.no(
                 f"{path} is a {class_name(p)}, not a plain nn.Parameter: a subclass's __torch_function__ or "
                 "__torch_dispatch__ would see the PyTorch block's ops, which the Rust block bypasses"
