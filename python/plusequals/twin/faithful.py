@@ -48,8 +48,10 @@ from torch import nn
 
 from ..model import blocks
 from .config import BlockConfig, rust_keys
+from .dispatch import tracing_tensor
 from .lora import base_of, is_lora, read_lora
 from .probe import PROBE_BOUND, can_probe, probe
+from .reads import data_descriptor
 from .watch import Watch, class_name, global_hook_kinds
 
 __all__ = ["CHILDREN", "PROBE_BOUND", "Reading", "TRUST", "can_probe", "probe", "read_block"]
@@ -135,24 +137,6 @@ def _known_classes() -> set:
     return known
 
 
-def _tracing_tensor(t: Any) -> bool:
-    """A FakeTensor or FunctionalTensor: the parameters as torch.export and torch.compile trace
-    them (the custom op runs then, on what they stand for)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    return isinstance(t, (FakeTensor, FunctionalTensor))
-
-
-def _data_descriptor(cls: type, name: str) -> bool:
-    """Whether ``name`` on ``cls`` (its MRO) is a data descriptor, which Python's attribute lookup
-    reads before the instance dict and a module's ``__getattr__`` (a property named ``weight``)."""
-    for c in cls.__mro__:
-        if name in c.__dict__:
-            return hasattr(type(c.__dict__[name]), "__set__")
-    return False
-
-
 class _Reader:
     def __init__(self, root: nn.Module, kids: Dict[str, Any]) -> None:
         self.root, self.kids = root, kids
@@ -178,14 +162,14 @@ class _Reader:
         p = self.w.get(owner, name)
         if not (isinstance(p, torch.Tensor) and name in owner._parameters):
             return None
-        if name in owner.__dict__ or _data_descriptor(type(owner), name):
+        if name in owner.__dict__ or data_descriptor(type(owner), name):
             self.no(
                 f"{path} is shadowed by an attribute of the {'instance' if name in owner.__dict__ else 'class'} "
                 f"({class_name(owner)}), which Python's attribute lookup reads instead of the registered parameter"
             )
             return None
         self.w.exact(p)  # a __class__ assigned in place is a change
-        if type(p) not in (nn.Parameter, torch.Tensor) and not _tracing_tensor(p):
+        if type(p) not in (nn.Parameter, torch.Tensor) and not tracing_tensor(p):
             self.no(
                 f"{path} is a {class_name(p)}, not a plain nn.Parameter: a subclass's __torch_function__ or "
                 "__torch_dispatch__ would see the PyTorch block's ops, which the Rust block bypasses"

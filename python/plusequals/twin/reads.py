@@ -21,7 +21,7 @@ import gc
 import types
 from typing import Any, Iterable, Iterator, List, NamedTuple, Set
 
-__all__ = ["Note", "class_dict", "classes_of", "code_reads"]
+__all__ = ["Note", "class_dict", "classes_of", "code_reads", "data_descriptor"]
 
 _IMMUTABLE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a static or immutable type, which no one can patch
 #: How far from the forward the code is followed, and how many functions at most (a bound on the
@@ -146,3 +146,10 @@ def _globals_read(f: types.FunctionType, names: Set[str], roots: Set[str]) -> It
             for attr in names:
                 if attr in attrs:
                     yield Note(attrs, attr, attrs[attr], f"{value.__name__}.{attr}")
+
+
+def data_descriptor(cls: type, name: str) -> bool:
+    """Whether ``name`` on ``cls`` (its MRO) is a data descriptor, which Python's attribute lookup
+    reads before the instance dict and a module's ``__getattr__`` (a property named ``weight``)."""
+    found = _lookup(cls, name)
+    return found is not None and hasattr(type(found), "__set__")
