@@ -108,6 +108,9 @@ pub enum Alias {
     NoStorage,
     /// A functorch wrapper (inside `torch.func.vmap`, `grad` or `jvp`): no storage of its own.
     Functorch,
+    /// A dual tensor of forward-mode AD (`torch.autograd.forward_ad.make_dual`): its tangent sits
+    /// on the handle a donation gives up, and would be dropped.
+    Tangent,
     /// A tensor subclass with `__torch_dispatch__`: its data and every op on it belong to its
     /// Python code, which could keep `x` when an in-place op passes it there.
     PythonSubclass,
@@ -135,6 +138,7 @@ impl Alias {
             Alias::PartOfStorage { .. } => "part_of_storage",
             Alias::NoStorage => "no_storage",
             Alias::Functorch => "functorch",
+            Alias::Tangent => "tangent",
             Alias::PythonSubclass => "python_subclass",
             Alias::DispatchModes(_) => "dispatch_modes",
             Alias::GradMode => "grad_mode",
@@ -163,6 +167,7 @@ impl Alias {
             Alias::PartOfStorage { .. } => "part of a storage".into(),
             Alias::NoStorage => "no storage".into(),
             Alias::Functorch => "functorch wrapper".into(),
+            Alias::Tangent => "forward-mode AD tangent".into(),
             Alias::PythonSubclass => "__torch_dispatch__ subclass".into(),
             Alias::DispatchModes(_) => "dispatch mode active".into(),
             Alias::GradMode => "grad mode on".into(),
@@ -214,6 +219,11 @@ impl fmt::Display for Alias {
                 f,
                 "is a functorch-wrapped tensor (inside torch.func.vmap, grad or jvp), which has no storage of its \
                  own to write into: call forward() inside the transform, or forward_owned outside it"
+            ),
+            Alias::Tangent => write!(
+                f,
+                "is a dual tensor (forward-mode AD, torch.autograd.forward_ad): a donation moves its buffer to a new \
+                 handle, which would drop its tangent; pass donate=False, which keeps it"
             ),
             Alias::PythonSubclass => write!(
                 f,

@@ -38,6 +38,7 @@ def _oracle(watch, global_keys) -> bool:
         and all(len(d) == 0 for d in watch.hook_dicts)
         and all(len(d) == len(k) and all(a is b for a, b in zip(d, k)) for d, k in zip(watch.globals, global_keys))
         and all(len(lst) == len(items) and all(a is b for a, b in zip(lst, items)) for lst, items in watch.lists)
+        and all(n.d.get(n.key, missing) is n.value for n in watch.code)
     )
 
 
@@ -90,7 +91,8 @@ OPS = ["set_same", "replace", "delete", "add", "refill", "update_same", "swap_cl
 @pytest.mark.skipif(not TAGS, reason="CPython keeps no dict version tags here: the watch compares in full")
 def test_the_shortcut_covers_every_watched_dict_where_cpython_keeps_tags():
     _, watch, _ = _reading(0)
-    assert watch.rust.tagged == len({id(d) for d in _dicts(watch) + watch.globals})
+    code = [n.d for n in watch.code]  # the classes' and module globals' dicts the forward's code reads
+    assert code and watch.rust.tagged == len({id(d) for d in _dicts(watch) + watch.globals + code})
     assert watch.rust.unchanged()
 
 

@@ -8,20 +8,23 @@ use tch::Tensor;
 use super::errors::{to_py, DonationConsumed};
 use super::twins::{masks_of, SharedBlock};
 use crate::error::{Alias, Failure};
-use crate::facts::{dispatch_modes, move_out, PyObjectPtr};
+use crate::facts::{dispatch_modes, move_out, tensor_facts, Memory, PyObjectPtr};
 use crate::ownership::{check_owned_by, Caller};
 use crate::{BasicTransformerBlock, Error, NoGrad, Result};
 
 /// A donation, as a transaction, in four steps; the first two hold the GIL, so no Python
 /// thread can make an alias between the check and the move.
 ///
-/// 1. Every check that can refuse ([`check_donation`]): the block's checks of `x`, `context`
-///    and the weights, libtorch's ownership counts (two handles are the caller's: the Python
-///    object's and this call's), weak references (libtorch's, and Python's weakrefs to the
-///    storage object), and whether `x`'s class can become a donated one
-///    (`plusequals.donated.donated_class`).
-/// 2. Mark and move: `x.__class__` becomes the donated class (any later use raises), the buffer
-///    moves to a fresh handle, and the Python object lets go of it (`set_()`).
+/// 1. Every check that can refuse: first whether `x`'s class can become a donated one
+///    (`plusequals.donated.donated_class`; making it runs Python code, the class's
+///    `__init_subclass__`, so it comes before the counts), whether `x` carries a forward-mode AD
+///    tangent ([`check_tangent`]), then ([`check_donation`]) the block's checks of `x`,
+///    `context` and the weights, libtorch's ownership counts (two handles are the caller's: the
+///    Python object's and this call's), weak references (libtorch's, and Python's weakrefs to
+///    the storage object). From here to the move no Python code runs.
+/// 2. Mark and move: `x.__class__` becomes the donated class by `object.__setattr__` itself
+///    ([`set_class`]; any later use raises), the buffer moves to a fresh handle, and the Python
+///    object lets go of it (`set_()`).
 /// 3. The in-place forward on the moved buffer, the GIL released.
 /// 4. A failure before the first write puts the buffer back into `x` (same storage, shape,
 ///    strides, dtype and bytes) and its class back, then raises. A failure after it leaves `x`
@@ -34,13 +37,16 @@ pub(super) fn donate_into(
     (context, masks): (Option<Tensor>, [Option<Tensor>; 2]),
 ) -> PyResult<Tensor> {
     let twins = block.get();
-    check_donation(py, &twins.rust, &tensor, context.as_ref())
-        .and_then(|()| twins.rust.check_masks(&tensor, context.as_ref(), masks_of(&masks)))
-        .map_err(|e| to_py(Error::Donation(Box::new(e))))?;
+    // Python code runs here and not after the check: making the donated class runs the user's
+    // `__init_subclass__`, whose weakrefs to x's storage the check then counts.
     let donated = donated_class(py, x)?;
     let original = x.get_type();
+    check_tangent(py, x, &tensor)
+        .and_then(|()| check_donation(py, &twins.rust, &tensor, context.as_ref()))
+        .and_then(|()| twins.rust.check_masks(&tensor, context.as_ref(), masks_of(&masks)))
+        .map_err(|e| to_py(Error::Donation(Box::new(e))))?;
     let versions = twins.rust.weights_version();
-    x.setattr(pyo3::intern!(py, "__class__"), &donated)?;
+    set_class(x, &donated)?;
     let moved = match move_out(&tensor) {
         Some(owned) => Ok(owned),
         None => tensor.f_detach().and_then(|owned| tensor.f_set_().map(|_python_object| owned)),
@@ -48,7 +54,7 @@ pub(super) fn donate_into(
     let owned = match moved {
         Ok(owned) => owned,
         Err(e) => {
-            x.setattr(pyo3::intern!(py, "__class__"), &original)?;
+            set_class(x, &original)?;
             return Err(to_py(Error::Donation(Box::new(e.into()))));
         }
     };
@@ -67,13 +73,51 @@ pub(super) fn donate_into(
                 PyRuntimeError::new_err(format!("{e}; and putting x's buffer back failed: {restore}"))
             })?;
             drop(buffer);
-            x.setattr(pyo3::intern!(py, "__class__"), &original)?;
+            set_class(x, &original)?;
             Err(to_py(Error::Donation(Box::new(e))))
         }
         Err(Failure::Consumed(e)) => Err(DonationConsumed::new_err(format!(
             "x was donated and its buffer consumed: the in-place forward had already written into it when this \
              happened: {e}. The result was discarded, and x is marked donated (its old values are partly overwritten)"
         ))),
+    }
+}
+
+/// `x.__class__ = cls` by `object.__setattr__` itself: no Python code runs (a subclass's
+/// `__setattr__` would, between the check and the move).
+fn set_class(x: &Bound<'_, PyAny>, cls: &Bound<'_, PyAny>) -> PyResult<()> {
+    let name = pyo3::intern!(x.py(), "__class__");
+    // SAFETY: live objects borrowed for the call, the GIL held; object's generic setattr of
+    // `__class__` checks the layouts and runs no Python code for a class made by `donated_class`.
+    let rc = unsafe { pyo3::ffi::PyObject_GenericSetAttr(x.as_ptr(), name.as_ptr(), cls.as_ptr()) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(PyErr::fetch(x.py()))
+    }
+}
+
+/// Refuses a dual tensor (forward-mode AD): the move gives up the handle that holds its
+/// tangent. Tangents exist only inside `forward_ad.dual_level()` (leaving it frees them), so
+/// outside one this reads one module attribute. A functorch wrapper (`jvp` makes dual tensors
+/// too) is left to the ownership check, which names functorch.
+fn check_tangent(py: Python<'_>, x: &Bound<'_, PyAny>, tensor: &Tensor) -> Result<()> {
+    if matches!(tensor_facts(tensor), Memory::Functorch) {
+        return Ok(());
+    }
+    static FORWARD_AD: GILOnceCell<PyObject> = GILOnceCell::new();
+    let dual = || -> PyResult<bool> {
+        let fwad =
+            FORWARD_AD.get_or_try_init(py, || py.import("torch.autograd.forward_ad").map(|m| m.into_any().unbind()))?;
+        let fwad = fwad.bind(py);
+        if fwad.getattr(pyo3::intern!(py, "_current_level"))?.extract::<i64>()? < 0 {
+            return Ok(false);
+        }
+        Ok(!fwad.call_method1(pyo3::intern!(py, "unpack_dual"), (x,))?.getattr(pyo3::intern!(py, "tangent"))?.is_none())
+    };
+    match dual() {
+        Ok(false) => Ok(()),
+        _ => Err(Error::NotOwned { arg: "x", why: Alias::Tangent }),
     }
 }
 

@@ -109,7 +109,11 @@ class RustBlock(nn.Module):
         self._paths: Tuple[str, ...] = ()  # the weights as attribute paths (traced calls)
         self._guards: List[tuple] = []  # what a traced call compares (torch.compile guards on it)
         self._trust: Optional[str] = None  # from_torch(trust=...): see there
-        self._probe_pending = False  # unknown classes not yet probed in the current state
+        self._probe_pending = False  # unknown classes not yet probed in the current state, or new code
+        # What the forward's code read (Watch.code: label -> value) when the probe last agreed, and
+        # what differs from it in the last reading: the PyTorch block is the oracle for its code.
+        self._code_ok: Optional[Dict[str, Any]] = None
+        self._code_changes: List[str] = []
         self._lora_layers: Tuple[str, ...] = ()  # peft LoRA layers in the last reading: never traced
         self._entry: Any = None  # the hot path's entry into Rust (_rebind)
         self._rebind()
@@ -234,7 +238,8 @@ class RustBlock(nn.Module):
             return
         self._reading = reading
         self._weights = tuple(reading.weights())
-        self._probe_pending = bool(reading.unknown)
+        self._code_changes = _code_changes(self._code_ok, reading)
+        self._probe_pending = bool(reading.unknown) or self._code_ok is None or bool(self._code_changes)
 
     def _ensure_current(self, error: type = UnsupportedBlockError) -> None:
         """The eager check before each call (module docstring): a few microseconds when nothing changed."""
@@ -248,18 +253,43 @@ class RustBlock(nn.Module):
         if not self._twin.fresh(weights, self._config):
             inner, self._device = validated_inner(dict(zip(self._config.keys, weights)), self._config)
             self._twin.set(inner, weights, self._config)
-            self._probe_pending = bool(self._reading and self._reading.unknown)  # a new dtype or device: again
-        if self._probe_pending and can_probe(weights[0]):
-            reason = probe(self._source, self._twin.inner.forward, self._config, weights[0])
-            if reason:
-                classes = ", ".join(self._reading.unknown)
-                self._reading = None
-                self._entry = None
-                raise error(
-                    f"{self._where()}: the block's classes ({classes}) are not ones this crate knows, and {reason}"
-                )
-            self._probe_pending = False
+            self._probe_pending |= bool(self._reading and self._reading.unknown)  # a new dtype or device: again
+        if self._probe_pending:
+            self._run_probe(weights[0], error)
         self._rebind()  # read, built and probed: the hot path may call it
+
+    def _run_probe(self, weight: Tensor, error: type) -> None:
+        """Runs the PyTorch block and the Rust block on one probe input (:func:`probe`) where it
+        can: on the first reading, after the code the forward runs changed (a class patched, a
+        module global replaced: ``Watch.code``), and for classes this crate does not know. Where
+        the probe cannot run (meta, half), changed code is refused; the rest waits for a state
+        where it can."""
+        reading, changes = self._reading, self._code_changes
+        shown = f"{', '.join(changes[:4])}{f' and {len(changes) - 4} more' if len(changes) > 4 else ''}"
+        if not can_probe(weight):
+            if changes:
+                self._refuse(
+                    error,
+                    f"the code its forward runs changed since it was checked ({shown}), and no probe can check "
+                    f"it in {weight.dtype} on {weight.device}",
+                )
+            return
+        reason = probe(self._source, self._twin.inner.forward, self._config, weight)
+        if reason:
+            if reading.unknown:
+                classes = ", ".join(reading.unknown)
+                self._refuse(error, f"the block's classes ({classes}) are not ones this crate knows, and {reason}")
+            elif changes:
+                self._refuse(error, f"the code its forward runs changed since it was checked ({shown}), and {reason}")
+            self._refuse(error, f"its forward's code (its classes and the globals they read): {reason}")
+        self._probe_pending = False
+        self._code_ok = {n.label: n.value for n in reading.watch.code}
+        self._code_changes = []
+
+    def _refuse(self, error: type, why: str) -> None:
+        self._reading = None
+        self._entry = None
+        raise error(f"{self._where()}: {why}")
 
     @torch.compiler.assume_constant_result
     def _check_for_trace(self) -> int:
@@ -286,7 +316,8 @@ class RustBlock(nn.Module):
                     "custom ops take the base weights only; call it eagerly on plain tensors, or remove the adapters "
                     "(merge_and_unload, unload_lora)"
                 )
-            return [self.get_parameter(path) for path in self._paths]
+            # getattr, not get_parameter: functional_call puts plain tensors there (torch.func)
+            return [getattr(self.get_submodule(owner), name) for owner, _, name in map(_split, self._paths)]
         if self._weights is None:
             raise RuntimeError(
                 f"this {type(self).__name__} wraps a raw Rust block and has no weights to pass to the custom ops: "
@@ -355,6 +386,8 @@ class RustBlock(nn.Module):
         )
         if torch.compiler.is_compiling() or symbolic(x, context) or (masks and symbolic(*_pair(masks))):
             return ops.block_forward(*self._op_args(x, context, masks))
+        if _functorch_weights(self):
+            return self._functorch_forward(x, context, masks)
         _check_tensor("x", x)
         _check_tensor("context", context, optional=True)
         if seen_by_python(x, context, dispatch_modes=False) or (masks and _seen(masks, dispatch_modes=False)):
@@ -391,6 +424,11 @@ class RustBlock(nn.Module):
                     return y
         masks = _masks(attention_mask, encoder_attention_mask)
         traced = torch.compiler.is_compiling() or symbolic(x, context) or (bool(masks) and symbolic(*_pair(masks)))
+        if not traced and _functorch_weights(self):
+            raise UnsupportedBlockError(
+                f"{self._where()}: forward_owned cannot run on functorch-wrapped weights (torch.func.grad, vmap or "
+                "jvp over functional_call): the in-place forward needs the weights' storage"
+            )
         _check_tensor("x", x)
         _check_tensor("context", context, optional=True)
         _refuse_grad(x, context)
@@ -413,6 +451,19 @@ class RustBlock(nn.Module):
             with torch.no_grad():
                 return ops.block_forward(*self._op_args(x, context, masks))
         return self._call("forward_owned", x, context, donate=False, **masks)
+
+    def _functorch_forward(self, x: Tensor, context: Optional[Tensor], masks: Dict[str, Tensor]) -> Tensor:
+        """``forward`` with functorch-wrapped weights (``torch.func`` over ``functional_call``),
+        which have no storage to build on: through the custom op, and where the transform has no
+        rule for it (torch 2.11: neither ``grad``, whose autograd wrapper lacks functorch support,
+        nor ``vmap``), refused naming functorch."""
+        try:
+            return ops.block_forward(*self._op_args(x, context, masks))
+        except (RuntimeError, NotImplementedError) as e:
+            raise UnsupportedBlockError(
+                f"{self._where()}: this torch.func (functorch) transform over functional_call is not supported: "
+                f"the Rust block runs as one custom op there, and the transform has no rule for it ({e})"
+            ) from e
 
     def _donate(self, x: Tensor, context: Optional[Tensor], masks: Dict[str, Tensor]) -> Tensor:
         """``forward_owned(x, donate=True)``: what only Python can see is refused here (modes,
@@ -456,11 +507,31 @@ class RustBlock(nn.Module):
             f"gated_ff={spec.gated_ff}, attention={spec.attention!r}"
         )
 
+    # torch.__future__.set_swap_module_params_on_conversion(True): .to(), .double(), load_state_dict
+    # swap each parameter's TensorImpl (torch.utils.swap_tensors), which needs libtorch's use count
+    # of it to be the Python object's alone. The Rust block holds a second one, so it lets go first
+    # and builds again on the next call (only where it follows a module: from_state_dict's tensors
+    # are not this module's parameters).
+    def _apply(self, fn: Any, recurse: bool = True) -> "RustBlock":
+        self._let_go_for_swap()
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._let_go_for_swap()  # called before its submodules' (Module.load_state_dict's order)
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _let_go_for_swap(self) -> None:
+        if self._source is None or not torch.__future__.get_swap_module_params_on_conversion():
+            return
+        self._entry = self._reading = self._weights = None
+        self._twin.inner = self._twin.weights = self._twin.facts = self._twin.other = None
+
     # The Rust handle is neither picklable nor deep-copyable: a copy (copy.deepcopy, pickle) gets
     # a new, empty twin and builds its own on first use (on the copied parameters).
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state.update(_reading=None, _guards=[], _source_kids={}, _probe_pending=False, _entry=None)
+        state.update(_code_ok=None, _code_changes=[])
         if state.get("_source") is not None:
             state["_weights"] = None
         return state
@@ -487,6 +558,27 @@ class CppBlock(RustBlock):
 
 
 _SCALARS = (int, float, str, bool, tuple, type(None))
+_MISSING = object()
+
+
+def _code_changes(ok: Optional[Dict[str, Any]], reading: Reading) -> List[str]:
+    """The labels of the code reads that differ from ``ok`` (``Watch.code``), sorted."""
+    if ok is None:
+        return []
+    now = {n.label: n.value for n in reading.watch.code}
+    return sorted(k for k in ok.keys() | now.keys() if ok.get(k, _MISSING) is not now.get(k, _MISSING))
+
+
+def _split(path: str) -> Tuple[str, str, str]:
+    return path.rpartition(".")
+
+
+def _functorch_weights(block: RustBlock) -> bool:
+    """Whether a torch.func transform is active and ``block``'s weights are functorch-wrapped
+    (``functional_call`` under ``grad``/``vmap``/``jvp``): they have no storage to build on."""
+    if block._source is None or torch._C._functorch.peek_interpreter_stack() is None:
+        return False
+    return any(map(torch._C._functorch.is_functorch_wrapped_tensor, block.parameters()))
 
 
 def _pair(masks: Dict[str, Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:

@@ -13,7 +13,7 @@ from typing import Any, List, Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["autocast_dtype", "seen_by_python", "symbolic", "why_not_donatable"]
+__all__ = ["autocast_dtype", "seen_by_python", "symbolic", "tracing_tensor", "why_not_donatable"]
 
 _MODE_KEYS = tuple(
     getattr(torch._C._TorchDispatchModeKey, k)
@@ -54,6 +54,15 @@ def symbolic(x: object, context: object) -> bool:
     from torch._subclasses.functional_tensor import FunctionalTensor
 
     return isinstance(x, (FakeTensor, FunctionalTensor)) or isinstance(context, (FakeTensor, FunctionalTensor))
+
+
+def tracing_tensor(t: object) -> bool:
+    """A FakeTensor or FunctionalTensor: a parameter as torch.export and torch.compile trace it
+    (the custom op runs then, on what it stands for)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
 def autocast_dtype(x: Tensor) -> Optional[torch.dtype]:

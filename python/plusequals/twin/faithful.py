@@ -48,8 +48,10 @@ from torch import nn
 
 from ..model import blocks
 from .config import BlockConfig, rust_keys
+from .dispatch import tracing_tensor
 from .lora import base_of, is_lora, read_lora
 from .probe import PROBE_BOUND, can_probe, probe
+from .reads import data_descriptor
 from .watch import Watch, class_name, global_hook_kinds
 
 __all__ = ["CHILDREN", "PROBE_BOUND", "Reading", "TRUST", "can_probe", "probe", "read_block"]
@@ -148,6 +150,7 @@ class _Reader:
         self.accounted: set = set()
         self.skip_dropouts: set = set()
         self.lora: List[Tuple[str, int, float, bool]] = []
+        self.called: List[Any] = []  # what the forward calls besides modules (diffusers' processors)
 
     def no(self, reason: str) -> None:
         self.reasons.append(reason)
@@ -157,10 +160,23 @@ class _Reader:
 
     def param(self, owner: nn.Module, name: str, path: str, key: Optional[str] = None) -> Optional[torch.Tensor]:
         p = self.w.get(owner, name)
-        if isinstance(p, torch.Tensor) and name in owner._parameters:
-            self.slots[key or path] = (owner, name, path)
-            return p
-        return None
+        if not (isinstance(p, torch.Tensor) and name in owner._parameters):
+            return None
+        if name in owner.__dict__ or data_descriptor(type(owner), name):
+            self.no(
+                f"{path} is shadowed by an attribute of the {'instance' if name in owner.__dict__ else 'class'} "
+                f"({class_name(owner)}), which Python's attribute lookup reads instead of the registered parameter"
+            )
+            return None
+        self.w.exact(p)  # a __class__ assigned in place is a change
+        if type(p) not in (nn.Parameter, torch.Tensor) and not tracing_tensor(p):
+            self.no(
+                f"{path} is a {class_name(p)}, not a plain nn.Parameter: a subclass's __torch_function__ or "
+                "__torch_dispatch__ would see the PyTorch block's ops, which the Rust block bypasses"
+            )
+            return None
+        self.slots[key or path] = (owner, name, path)
+        return p
 
     # -- leaves --------------------------------------------------------------------------------
 
@@ -237,6 +253,7 @@ class _Reader:
                 "(torch.nn.modules.module.register_module_*_hook): they fire on the PyTorch block's submodules, "
                 "which the Rust block bypasses; remove them (handle.remove()) to run it"
             )
+        self.w.code_of([m for _, m in modules] + self.called)
         params, buffers = [], []
         for path, m in modules:
             self.w.module(m)
@@ -533,6 +550,10 @@ def _read_diffusers(r: _Reader, block: nn.Module) -> Reading:
 def _diffusers_attention(r: _Reader, attn: Any, name: str, processor_mod) -> None:
     w = r.w
     processor = w.get(attn, "processor")
+    w.exact(processor)  # its class swapped in place is a change; its code is watched (Watch.code_of)
+    if getattr(processor, "__dict__", None) is not None:
+        w.state(processor)
+    r.called.append(processor)
     supported = tuple(getattr(processor_mod, n) for n in SUPPORTED_PROCESSORS)
     if type(processor) not in supported:
         r.no(

@@ -32,7 +32,9 @@ def probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tenso
     )
     with torch.no_grad():
         try:
-            expected = block(x, c)
+            # diffusers' block takes the context by keyword (its second argument is the mask)
+            diffusers = type(block).__module__.startswith("diffusers.")
+            expected = block(x, encoder_hidden_states=c) if diffusers else block(x, c)
         except Exception as e:  # noqa: BLE001  (reported as the reason)
             return f"its forward raised {type(e).__name__} on a probe input: {e}"
         got = rust_forward(x, c)

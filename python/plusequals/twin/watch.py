@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .. import _rust
+from .reads import Note, code_reads
 
 __all__ = ["Watch", "class_name", "global_hook_kinds"]
 
@@ -92,6 +93,7 @@ class Watch:
         "classes",
         "globals",
         "lists",
+        "code",
         "rust",
         "_seen",
         "_lseen",
@@ -112,6 +114,7 @@ class Watch:
         self.classes: List[type] = []
         self.globals: List[dict] = list(_global_hooks().values())
         self.lists: List[Tuple[list, List[Any]]] = []  # lists whose items are watched (PEFT's merged_adapters)
+        self.code: List[Note] = []  # what the forward's code reads: classes and module globals (twin/reads.py)
         self.rust: Any = None  # the Rust watch, made by seal()
         # (object, name, value) of every non-tensor value: what a traced forward compares, so
         # that torch.compile guards on it (tensors reach the custom op as arguments instead).
@@ -158,15 +161,33 @@ class Watch:
             self.lists.append((lst, list(lst)))
         return lst
 
+    def exact(self, obj: Any) -> None:
+        """Notes ``obj``'s exact class (a ``__class__`` assigned in place is a change): a module, a
+        processor, a parameter."""
+        if id(obj) not in self._mseen:
+            self._mseen.add(id(obj))
+            self.modules.append(obj)
+            self.classes.append(type(obj))
+
     def module(self, m: nn.Module) -> None:
-        """Notes ``m``'s exact class and the sizes of its submodule, parameter and buffer dicts."""
+        """Notes ``m``'s exact class, its submodule, parameter and buffer dicts (the dicts
+        themselves, by identity: ``m._parameters = {...}`` is a change) and their sizes, and the
+        size of its instance dict (an attribute set on the instance later, such as one that
+        shadows a parameter, is a change)."""
         if id(m) in self._mseen:
             return
-        self._mseen.add(id(m))
-        self.modules.append(m)
-        self.classes.append(type(m))
-        for store in (m._modules, m._parameters, m._buffers):
-            self._sized(store)
+        self.exact(m)
+        self._sized(m.__dict__)
+        for name in ("_modules", "_parameters", "_buffers"):
+            store = m.__dict__.get(name)
+            if isinstance(store, dict):
+                self._sized(self._note(m.__dict__, name, store, None, by_identity=True))
+
+    def code_of(self, objs: List[Any]) -> None:
+        """Notes what calling ``objs`` (the block's modules, its processors) reads as code: the
+        entries of their classes (MROs included) and the module globals their code reads
+        (:func:`plusequals.twin.reads.code_reads`)."""
+        self.code = code_reads(objs)
 
     def state(self, m: nn.Module) -> None:
         """Notes every value on the instance ``m`` by identity: the state an unknown class's
@@ -178,17 +199,19 @@ class Watch:
                 self._note(m.__dict__, key, value, m, by_identity=True)
 
     def get(self, obj: Any, name: str, default: Any = None) -> Any:
-        """``getattr(obj, name, default)``, noted."""
-        if isinstance(obj, nn.Module):  # its class and stores: tree() notes every module of the block
-            for store in (obj._parameters, obj._buffers, obj._modules):
-                if name in store:
-                    return self._note(store, name, store[name], obj)
+        """``getattr(obj, name, default)``, noted, in Python's order: the instance dict, then (a
+        module's ``__getattr__``) its parameters, buffers and submodules. A class attribute that is
+        a data descriptor comes first in Python; the reader refuses one on a slot it reads."""
         d = getattr(obj, "__dict__", None)
         if d is None:
             return getattr(obj, name, default)
         self._sized(d)
         if name in d:
             return self._note(d, name, d[name], obj)
+        if isinstance(obj, nn.Module):  # its class and stores: tree() notes every module of the block
+            for store in (obj._parameters, obj._buffers, obj._modules):
+                if name in store:
+                    return self._note(store, name, store[name], obj)
         # A class attribute, a property, or nothing: setting it on the instance later grows
         # the instance's dict, which is watched.
         return getattr(obj, name, default)
@@ -216,6 +239,7 @@ class Watch:
     def seal(self) -> "Watch":
         self.lens = list(map(len, self.ldicts))
         same = list(zip(self.vdicts, self.vkeys, self.values)) + list(zip(self.tdicts, self.tkeys, self.tensors))
+        same += [(n.d, n.key, n.value) for n in self.code]
         self.rust = _rust.Watch(
             same=same,
             classes=list(zip(self.modules, self.classes)),

@@ -1,0 +1,222 @@
+"""Never stale by construction (issue #32): the routes by which Python reaches a forward without
+touching anything a hand-written list names. Each is a change that alters what the PyTorch block
+computes: a class patched (torch's ``nn.LayerNorm.forward`` and ``nn.Linear.forward``, the GEGLU's
+``forward``, the attention's code), a module global replaced (``F.gelu``,
+``F.scaled_dot_product_attention``, the ``F`` that the attention's module reads), the
+``__class__`` of the attention processor or module and of a weight, ``_parameters``/``_buffers``/
+``_modules`` replaced, an instance-dict shadow of a parameter, a ``__torch_function__`` Parameter
+subclass.
+
+Generated sequences of these changes (hypothesis: each step applies a change, or undoes one made
+earlier) run on ``RustBlock``, ``CppBlock`` and the swap, and after every step the Rust side must
+give the changed PyTorch block's result (the oracle, fp32 CPU, <= 1e-5 relative) or refuse
+(``UnsupportedBlockError``) leaving the inputs as they were; with every change undone it must work
+again. Every patch is undone in ``finally``: nothing outlives an example.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable, Dict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from conftest import rel_err
+from plusequals import StaleBlock, UnsupportedBlockError
+from test_structure import Site
+
+TOL = 1e-5
+SCALE = 1.5
+
+
+def _patch(owner, name: str, wrap: Callable) -> Callable[[], None]:
+    """Sets ``owner.name`` to ``wrap(old)``; returns the undo (which also removes an attribute
+    the owner did not have itself)."""
+    had = name in vars(owner)
+    old = getattr(owner, name)
+    setattr(owner, name, wrap(old))
+    return (lambda: setattr(owner, name, old)) if had else (lambda: delattr(owner, name))
+
+
+def _scaled(f: Callable) -> Callable:
+    def scaled(*args, **kwargs):
+        return f(*args, **kwargs) * SCALE
+
+    return scaled
+
+
+def _attention_code(site: Site) -> Callable[[], None]:
+    """The attention's code: a diffusers processor's ``__call__``, or the CompVis attention's
+    ``forward``."""
+    attn = site.block.attn1
+    processor = getattr(attn, "processor", None)
+    target = type(processor) if processor is not None else type(attn)
+    return _patch(target, "__call__" if processor is not None else "forward", _scaled)
+
+
+def _attention_class(site: Site) -> Callable[[], None]:
+    """``__class__`` of the object the forward calls for attention: the processor (diffusers) or
+    the attention module (CompVis), swapped in place to a subclass that scales its output."""
+    attn = site.block.attn1
+    obj = getattr(attn, "processor", None) or attn
+    original = type(obj)
+    method = "__call__" if obj is not attn else "forward"
+    obj.__class__ = type("Scaled" + original.__name__, (original,), {method: _scaled(getattr(original, method))})
+    return lambda: setattr(obj, "__class__", original)
+
+
+def _module_global_f(site: Site) -> Callable[[], None]:
+    """The ``F`` global of the attention's module, replaced by a namespace whose SDPA scales."""
+    attn = site.block.attn1
+    processor = getattr(attn, "processor", None)
+    code = type(processor).__call__ if processor is not None else type(attn).forward
+    g = code.__globals__
+    fake = types.SimpleNamespace(**vars(F))
+    fake.scaled_dot_product_attention = _scaled(F.scaled_dot_product_attention)
+    old = g["F"]
+    g["F"] = fake
+    return lambda: g.__setitem__("F", old)
+
+
+def _weight(site: Site) -> nn.Linear:
+    return site.block.attn1.to_q
+
+
+def _new_parameter(like: torch.Tensor, cls: type = nn.Parameter) -> nn.Parameter:
+    return cls(like.detach() * SCALE, requires_grad=like.requires_grad)
+
+
+def _parameters_replaced(site: Site) -> Callable[[], None]:
+    norm = site.block.norm1
+    old = norm._parameters
+    norm._parameters = {**old, "weight": _new_parameter(old["weight"])}
+    return lambda: setattr(norm, "_parameters", old)
+
+
+def _buffers_replaced(site: Site) -> Callable[[], None]:
+    norm = site.block.norm2
+    old = norm._buffers
+    norm._buffers = {"extra": torch.ones(1)}
+    return lambda: setattr(norm, "_buffers", old)
+
+
+def _modules_replaced(site: Site) -> Callable[[], None]:
+    net = site.block.ff.net
+    old = net._modules
+    last = old["2"]
+    new = nn.Linear(last.in_features, last.out_features)
+    with torch.no_grad():
+        new.weight.copy_(last.weight * SCALE)
+        new.bias.copy_(last.bias)
+    net._modules = {**old, "2": new}
+    return lambda: setattr(net, "_modules", old)
+
+
+def _instance_shadow(site: Site) -> Callable[[], None]:
+    lin = _weight(site)
+    lin.__dict__["weight"] = _new_parameter(lin._parameters["weight"])
+    return lambda: lin.__dict__.pop("weight")
+
+
+class ScaledParameter(nn.Parameter):
+    """A Parameter subclass whose ``__torch_function__`` scales every F.linear it takes part in."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * SCALE if func is F.linear else out
+
+
+def _weight_subclass(site: Site) -> Callable[[], None]:
+    lin = _weight(site)
+    old = lin.weight
+    lin.weight = _new_parameter(old, ScaledParameter)  # the same values: only its class acts
+    with torch.no_grad():
+        lin.weight.div_(SCALE)
+    return lambda: setattr(lin, "weight", old)
+
+
+def _weight_class_swapped(site: Site) -> Callable[[], None]:
+    w = site.block.attn2.to_v.weight
+    w.__class__ = ScaledParameter
+    return lambda: setattr(w, "__class__", nn.Parameter)
+
+
+ROUTES: Dict[str, Callable[[Site], Callable[[], None]]] = {
+    "nn.LayerNorm.forward patched": lambda site: _patch(nn.LayerNorm, "forward", _scaled),
+    "nn.Linear.forward patched": lambda site: _patch(nn.Linear, "forward", _scaled),
+    "the GEGLU's forward patched": lambda site: _patch(type(site.block.ff.net[0]), "forward", _scaled),
+    "the attention's code patched": _attention_code,
+    "F.gelu replaced": lambda site: _patch(F, "gelu", _scaled),
+    "F.scaled_dot_product_attention replaced": lambda site: _patch(F, "scaled_dot_product_attention", _scaled),
+    "the attention module's F replaced": _module_global_f,
+    "the attention's __class__ swapped": _attention_class,
+    "_parameters replaced": _parameters_replaced,
+    "_buffers replaced": _buffers_replaced,
+    "_modules replaced": _modules_replaced,
+    "an instance-dict shadow of a weight": _instance_shadow,
+    "a __torch_function__ Parameter subclass": _weight_subclass,
+    "a weight's __class__ swapped": _weight_class_swapped,
+}
+NAMES = list(ROUTES)
+
+
+def _same_or_refused(site: Site, step: str) -> None:
+    """The oracle's verdict on one step: the changed PyTorch model's output, or a refusal that
+    leaves the inputs as they were."""
+    expected = site.pytorch()
+    inputs = [t.clone() for t in site.inputs if isinstance(t, torch.Tensor)]
+    try:
+        got = site.run()
+    except (UnsupportedBlockError, StaleBlock):
+        now = [t for t in site.inputs if isinstance(t, torch.Tensor)]
+        assert all(torch.equal(a, b) for a, b in zip(inputs, now)), f"{step}: a refusal changed the inputs"
+    else:
+        assert rel_err(got, expected) <= TOL, f"{step}: stale by {rel_err(got, expected):.3g}"
+
+
+@pytest.fixture(scope="module", params=["RustBlock", "CppBlock", "swap"])
+def site(request):
+    return Site(request.param)
+
+
+def test_every_route_changes_the_pytorch_block(site):
+    """No route is a no-op on the oracle (else following it would prove nothing), _buffers aside:
+    a buffer the forward does not read changes nothing, and may still be refused."""
+    before = site.pytorch()
+    for name, route in ROUTES.items():
+        undo = route(site)
+        try:
+            moved = rel_err(site.pytorch(), before) > TOL
+        finally:
+            undo()
+        assert moved == (name != "_buffers replaced"), name
+    assert rel_err(site.run(), before) <= TOL
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(steps=st.lists(st.sampled_from(NAMES), min_size=1, max_size=5))
+def test_generated_changes_are_followed_or_refused_and_undone_work_again(site, steps):
+    undos: Dict[str, Callable[[], None]] = {}
+    try:
+        for name in steps:  # a route applied, or undone when it is applied already
+            if name in undos:
+                undos.pop(name)()
+                _same_or_refused(site, f"{name} undone, after {steps}")
+            else:
+                undos[name] = ROUTES[name](site)
+                _same_or_refused(site, f"{name}, in {steps}")
+    finally:
+        for undo in reversed(list(undos.values())):
+            undo()
+    assert rel_err(site.run(), site.pytorch()) <= TOL, f"every change undone, {steps}: it must work again"
