@@ -104,6 +104,9 @@ impl PyBlock {
             let no_grad = NoGrad::new();
             let versions = twins.rust.weights_version();
             let args = (context.as_ref(), masks_of(&masks));
+            // the inputs' checks before the copy: a copy of a tensor with no dense shape (mkldnn,
+            // sparse) fails inside libtorch with an error that names no argument
+            twins.rust.check_inputs(&tensor, context.as_ref())?;
             Ok(twins.forward_owned(deep_copy(&tensor)?, args, &no_grad, &Caller::RUST, versions)?)
         })
         .map(PyTensor)
