@@ -59,6 +59,15 @@ def _header(res: Results) -> list[str]:
     ]
     if not cfg["torch_compile"]:
         md += ["", f"torch.compile was not measured: {cfg['torch_compile_skipped_reason']}."]
+    elif cfg.get("inductor_cache"):
+        warm = "warm (kept from an earlier run)" if cfg.get("inductor_cache_warm") else "cold (empty)"
+        md += [
+            "",
+            f"torch.compile (Inductor, default mode) compiles `op_plus_x` and `iadd` once per cell, static shapes; "
+            f"Inductor's cache is `{cfg['inductor_cache']}`, {warm} at the start of this run, so a second run skips "
+            "Inductor's C++ compiles. Each row's compile seconds (the first two calls) are in results.json "
+            "(`compile_s`), apart from its times.",
+        ]
     if cfg["device"] == "cpu":
         md += [
             "",

@@ -1,0 +1,88 @@
+"""What Inductor does with the residual add, read from the code it generates
+(``bench.inductor.residual_destination``), held to what the compiled block does to memory and to
+the README's bullet. One compile per strategy, tiny shapes; Inductor's cache in a directory of
+this module's, set per test."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch._inductor.utils import clear_caches
+
+from plusequals.bench import compilers, inductor
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def read(tmp_path_factory):
+    """Both strategies compiled and read once for the module (Inductor's cache in a temporary
+    directory, the environment restored after)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+        clear_caches()
+        out = {}
+        for strategy in inductor.STRATEGIES:
+            torch._dynamo.reset()
+            out[strategy] = inductor.read_small_block(strategy)
+        torch._dynamo.reset()
+        clear_caches()
+    return out
+
+
+def test_op_plus_x_stores_the_last_sum_in_a_buffer_it_reused_and_only_reads_x(read):
+    r, returned_x = read["op_plus_x"]
+    assert r.destination == inductor.REUSED and not returned_x
+    assert r.defined.startswith(f"{r.returned} = ") and r.defined.endswith("# reuse")
+    assert r.kernel.split("(")[1].split(",")[0] == r.returned  # the add kernel's in/out pointer
+    assert "add" in r.kernel.split("(")[0] and len(r.fused_adds) >= 3
+
+
+def test_iadd_stores_the_last_sum_over_the_callers_x(read):
+    r, returned_x = read["iadd"]
+    assert r.destination == inductor.CALLER and returned_x
+    assert r.returned == r.x_arg and r.kernel.rstrip(")").endswith(r.x_arg)
+    assert "copy_" in r.kernel.split("(")[0]
+
+
+def test_the_report_verdict_names_inductor(read):
+    v = compilers.verdict(inductor={f"compile/{k}": r.to_json() for k, (r, _) in read.items()})
+    assert v["in_place"] == ["compile/iadd"] and v["reuses_buffers"] == ["compile/op_plus_x"]
+    assert v["rows"]["compile/op_plus_x"]["kernel"] == read["op_plus_x"][0].kernel
+
+
+def test_the_readme_bullet_is_the_generated_code(read):
+    text = README.read_text()
+    said = text[text.index("<!-- inductor-verdict -->\n") + 26 : text.index("<!-- /inductor-verdict -->")]
+    assert said.strip() == inductor.markdown({k: r for k, (r, _) in read.items()})
+
+
+WRAPPER = """
+    def call(self, args):
+        arg0_1, arg1_1 = args
+        assert_size_stride(arg0_1, (2, 7, 24), (168, 24, 1))
+        assert_size_stride(arg1_1, (2, 16, 32), (512, 32, 1))
+        {line}
+        cpp_fused_add_view_0({out}, arg1_1)
+        return ({out}, )
+"""
+
+
+@pytest.mark.parametrize(
+    "line, out, destination",
+    [
+        ("buf1 = empty_strided_cpu((2, 16, 32), (512, 32, 1), torch.float32)", "buf1", inductor.NEW),
+        ("buf1 = reinterpret_tensor(buf0, (2, 16, 32), (512, 32, 1), 0); del buf0  # reuse", "buf1", inductor.REUSED),
+        ("pass", "arg1_1", inductor.CALLER),
+    ],
+)
+def test_residual_destination_reads_each_kind(line, out, destination):
+    r = inductor.residual_destination(WRAPPER.format(line=line, out=out), (2, 16, 32))
+    assert (r.destination, r.returned, r.x_arg) == (destination, out, "arg1_1")
+
+
+def test_residual_destination_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="one input of x's shape"):
+        inductor.residual_destination(WRAPPER.format(line="pass", out="arg1_1"), (9, 9))
+    with pytest.raises(ValueError, match="cannot tell"):
+        inductor.residual_destination(WRAPPER.format(line="buf1 = torch.ones(3)", out="buf1"), (2, 16, 32))
