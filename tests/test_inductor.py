@@ -3,6 +3,7 @@
 the README's bullet. One compile per strategy, tiny shapes; Inductor's cache in a directory of
 this module's, set per test."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ import torch
 from torch._inductor.utils import clear_caches
 
 from plusequals.bench import compilers, inductor
+from plusequals.bench.analyse import step_ratio
+from plusequals.bench.results import Results, fmt
+from plusequals.cli.summary import build
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -86,3 +90,33 @@ def test_residual_destination_refuses_what_it_cannot_read():
         inductor.residual_destination(WRAPPER.format(line="pass", out="arg1_1"), (9, 9))
     with pytest.raises(ValueError, match="cannot tell"):
         inductor.residual_destination(WRAPPER.format(line="buf1 = torch.ones(3)", out="buf1"), (2, 16, 32))
+
+
+# ----------------------------------------------------------------------------- in the quick CPU report
+def test_the_quick_report_times_both_compiled_strategies_paired_with_their_compile_seconds(quick_report):
+    data = json.loads((quick_report / "results.json").read_text())
+    cfg = data["config"]
+    assert cfg["torch_compile"] and cfg["torch_compile_batches"] == [2] and cfg["inductor_cache"]
+    rows = {(r["batch"], r["shape"], r["variant"]): r for r in data["results"]}
+    labels = [s["label"] for s in cfg["shapes"]]
+    for shape in labels:
+        op, ia = rows[2, shape, "compile/op_plus_x"], rows[2, shape, "compile/iadd"]
+        assert op["compile_s"] > 0 and ia["compile_s"] > 0
+        assert ia["reset_probe"] == "reset:compile/iadd" and "subtracted" in ia["note"]
+        assert (16, shape, "compile/iadd") not in rows  # the quick CPU run compiles the seed's batch only
+    paired = {(p["batch"], p["shape"], p["variant"], p["vs"]) for p in data["paired"]}
+    assert all((2, sh, "compile/iadd", "compile/op_plus_x") in paired for sh in labels)
+
+
+def test_the_quick_report_names_inductor_in_the_compiler_verdict_and_the_seeds_ratio(quick_report):
+    data = json.loads((quick_report / "results.json").read_text())
+    rows = data["compiler_verdict"]["rows"]
+    assert rows["compile/op_plus_x"]["residual_destination"] == inductor.REUSED
+    assert rows["compile/iadd"]["residual_destination"] == inductor.CALLER
+    assert "compile/iadd" in data["compiler_verdict"]["in_place"]
+    assert "compile/op_plus_x" in data["compiler_verdict"]["reuses_buffers"]
+    ratio = step_ratio(Results.load(data), 2, "compile/iadd", "compile/op_plus_x")
+    said = {v["question"]: v for v in build(data, quick_report)["verdicts"]}  # the summary's verdicts
+    assert f"`compile/iadd` / `compile/op_plus_x` per step: {fmt(ratio)}" in said["The seed's ~7%?"]["text"]
+    assert "Is `+=` faster compiled?" in said
+    assert rows["compile/op_plus_x"]["kernel"] in said["Which compiler makes the residual add in place?"]["text"]

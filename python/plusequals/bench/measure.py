@@ -121,6 +121,7 @@ class Plan:
     # anything when the run began (a warm cache skips Inductor's C++ compiles).
     inductor_cache: Optional[str] = None
     inductor_cache_warm: Optional[bool] = None
+    compile_batches: tuple[int, ...] = BATCHES  # the batches whose cells time torch.compile
 
 
 def plan(device: str, quick: bool, unet: bool = True, compile: bool = True, compilers_flag: bool = True) -> Plan:
@@ -144,6 +145,9 @@ def plan(device: str, quick: bool, unet: bool = True, compile: bool = True, comp
         compile_skipped=None if with_compile else skipped,
         compilers=compilers_flag and any(compilers.available().values()),
         unet=unet,
+        # quick on the CPU: the seed's batch only (its 7 % is a batch-2 claim), since each cell's
+        # two compiles cost seconds to tens of seconds on a small CPU (cold cache)
+        compile_batches=BATCHES[:1] if (quick and device == "cpu") else BATCHES,
     )
 
 
@@ -184,6 +188,7 @@ def config(p: Plan) -> dict:
         "seed_claim": SEED_CLAIM,
         "torch_compile_skipped_reason": p.compile_skipped,
         "torch_compile_shapes": "static, one compile per strategy per cell" if p.torch_compile else None,
+        "torch_compile_batches": list(p.compile_batches) if p.torch_compile else None,
         "inductor_cache": p.inductor_cache,
         "inductor_cache_warm": p.inductor_cache_warm,
         "grad_mode": "torch.no_grad()",
@@ -338,7 +343,7 @@ def cell_variants(rec: Recorder, p: Plan, s: Setup, batch: int, shape: str, say:
         cv.variants += graph_variants(s)
     residual: dict = {}
     first = "compiler_verdict" not in rec.data  # the verdict is judged on the first cell's measurements
-    if p.torch_compile:
+    if p.torch_compile and batch in p.compile_batches:
         say("torch.compile")
         compiled, cv.compile_s, residual = inductor.compile_variants(s, read=first)
         cv.variants += compiled

@@ -63,10 +63,12 @@ def _header(res: Results) -> list[str]:
         warm = "warm (kept from an earlier run)" if cfg.get("inductor_cache_warm") else "cold (empty)"
         md += [
             "",
-            f"torch.compile (Inductor, default mode) compiles `op_plus_x` and `iadd` once per cell, static shapes; "
+            "torch.compile (Inductor, default mode) compiles `op_plus_x` and `iadd` once per cell, static shapes, "
+            f"at batch {', '.join(str(b) for b in cfg.get('torch_compile_batches') or cfg['batches'])}; "
             f"Inductor's cache is `{cfg['inductor_cache']}`, {warm} at the start of this run, so a second run skips "
-            "Inductor's C++ compiles. Each row's compile seconds (the first two calls) are in results.json "
-            "(`compile_s`), apart from its times.",
+            "Inductor's C++ compiles. Compile seconds (the first two calls), apart from the times: "
+            + _compile_seconds(res)
+            + ".",
         ]
     if cfg["device"] == "cpu":
         md += [
@@ -76,6 +78,16 @@ def _header(res: Results) -> list[str]:
             + ") times libtorch's CPU kernels; it is no verdict on the GPU, where the seed's question lives.",
         ]
     return md
+
+
+def _compile_seconds(res: Results) -> str:
+    """Each compiled row's compile seconds, cell by cell (``compile_s`` in results.json)."""
+    cells = [
+        f"`{r.variant}` {fmt(r.compile_s)} s (batch {r.batch}, {r.shape})"
+        for r in res.rows.values()
+        if r.compile_s is not None
+    ]
+    return "; ".join(cells) or "none measured"
 
 
 def _method(cfg: dict) -> str:
