@@ -4,6 +4,7 @@ the README's bullet. One compile per strategy, tiny shapes; Inductor's cache in 
 this module's, set per test."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,21 @@ def test_the_quick_report_names_inductor_in_the_compiler_verdict_and_the_seeds_r
     assert f"`compile/iadd` / `compile/op_plus_x` per step: {fmt(ratio)}" in said["The seed's ~7%?"]["text"]
     assert "Is `+=` faster compiled?" in said
     assert rows["compile/op_plus_x"]["kernel"] in said["Which compiler makes the residual add in place?"]["text"]
+
+
+def test_the_report_keeps_inductors_cache_under_target_unless_one_is_named(monkeypatch, tmp_path):
+    """torch's own default in the environment (it writes it there on first use) is no choice: the
+    report then uses target/inductor-cache; a named directory wins; the environment is restored."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    from plusequals.bench import measure
+    from plusequals.cli.report import INDUCTOR_CACHE, inductor_cache
+
+    monkeypatch.chdir(tmp_path)
+    plan = measure.plan("cpu", True, unet=False, compilers_flag=False)
+    for named, want in ((default_cache_dir(), INDUCTOR_CACHE), (str(tmp_path / "mine"), tmp_path / "mine")):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", named)
+        with inductor_cache(plan) as p:
+            assert p.inductor_cache == str(want) and p.inductor_cache_warm is False
+            assert cache_dir() == str(Path(want).absolute())
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == named

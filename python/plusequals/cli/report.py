@@ -74,9 +74,11 @@ def inductor_cache(plan: measure.Plan) -> Iterator[measure.Plan]:
     if not plan.torch_compile:
         yield plan
         return
-    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir, temporary_cache_dir
 
-    where = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or INDUCTOR_CACHE)
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    # torch writes its default into the environment the first time it asks: that is not a choice
+    where = Path(named) if named and named != default_cache_dir() else INDUCTOR_CACHE
     warm = where.is_dir() and any(where.iterdir())
     with temporary_cache_dir(str(where.absolute())):
         yield replace(plan, inductor_cache=str(where), inductor_cache_warm=warm)
