@@ -139,3 +139,19 @@ def test_the_report_keeps_inductors_cache_under_target_unless_one_is_named(monke
             assert p.inductor_cache == str(want) and p.inductor_cache_warm is False
             assert cache_dir() == str(Path(want).absolute())
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == named
+
+
+def test_the_readme_states_the_compiled_ratio_once_the_committed_report_has_it():
+    """docs/report-cpu is regenerated after this change: until then it has no compiled row and
+    the README claims none; after, the README's numbers block gives `compile/iadd` /
+    `compile/op_plus_x` at batch 2 as the committed results.json has it."""
+    from plusequals.bench.comparisons import compare
+
+    data = json.loads((README.parent / "docs/report-cpu/results.json").read_text())
+    text = README.read_text()
+    numbers = text[text.index("What the committed CPU report says") :]
+    numbers = " ".join(numbers[: numbers.index("<!-- /numbers -->")].split())
+    c = compare(Results.load(data), 2, "compile/iadd", "compile/op_plus_x")
+    assert ("`compile/iadd` / `compile/op_plus_x`" in numbers) == (c is not None)
+    if c is not None:
+        assert f"`compile/iadd` / `compile/op_plus_x` is {fmt(c.lo)} to {fmt(c.hi)}" in numbers
