@@ -140,10 +140,15 @@ def _batch(res: Results, batch: int) -> list[str]:
     return md + (_memory(res, batch) if res.config["device"] == "cuda" else [])
 
 
+def _timed(res: Results, batch: int) -> list[str]:
+    """The variants with a row at ``batch`` (the quick CPU run compiles at batch 2 only)."""
+    return [v for v in res.variants if any(res.row(batch, sh, v) for sh in res.shapes)]
+
+
 def _times(res: Results, batch: int) -> list[str]:
     shapes = res.shapes
     notes = {r.variant: r.note for r in res.rows.values()}
-    rows = [[f"`{v}`"] + [time_cell(res.row(batch, sh, v)) for sh in shapes] + [notes[v]] for v in res.variants]
+    rows = [[f"`{v}`"] + [time_cell(res.row(batch, sh, v)) for sh in shapes] + [notes[v]] for v in _timed(res, batch)]
     rows.append(
         ["roofline floor"]
         + [fmt(res.roofline[batch, sh].roofline_ms) for sh in shapes]
@@ -163,7 +168,7 @@ def _ratios(res: Results, batch: int) -> list[str]:
     shapes, ref = res.shapes, res.reference
     rows = [
         [f"`{v}`"] + [ratio_cell(res.paired.get((batch, sh, v, ref))) for sh in shapes]
-        for v in res.variants
+        for v in _timed(res, batch)
         if v != ref
     ]
     md = [
@@ -216,7 +221,7 @@ def _memory(res: Results, batch: int) -> list[str]:
         peak, host = (None, None) if r is None else (r.peak_mb, r.host_ms)
         return f"{_or_dash(peak)} MB / {_or_dash(host)} ms"
 
-    rows = [[f"`{v}`"] + [cell(res.row(batch, sh, v)) for sh in res.shapes] for v in res.variants]
+    rows = [[f"`{v}`"] + [cell(res.row(batch, sh, v)) for sh in res.shapes] for v in _timed(res, batch)]
     return [
         "",
         f"Peak memory and host time per call (batch {batch}; host time: unsynchronised, the reset's host time "
