@@ -155,3 +155,16 @@ def test_the_readme_states_the_compiled_ratio_once_the_committed_report_has_it()
     assert ("`compile/iadd` / `compile/op_plus_x`" in numbers) == (c is not None)
     if c is not None:
         assert f"`compile/iadd` / `compile/op_plus_x` is {fmt(c.lo)} to {fmt(c.hi)}" in numbers
+
+
+def test_step_ratio_is_the_per_step_ratio_the_report_already_gives():
+    """``step_ratio(v, vs)`` (the compiled seed ratio's arithmetic) against the committed report's
+    per-step ``vs_reference``, computed by other code, for every variant paired in every shape."""
+    data = json.loads((README.parent / "docs/report-cpu/results.json").read_text())
+    results = Results.load(data)
+    checked = 0
+    for (batch, variant), step in results.per_step.items():
+        if step.vs_reference is not None and variant != results.reference:
+            assert step_ratio(results, batch, variant, results.reference) == pytest.approx(step.vs_reference, rel=1e-12)
+            checked += 1
+    assert checked > 10
