@@ -95,7 +95,12 @@ def _first_call(fn: Callable, x: torch.Tensor, s: Setup, read: bool) -> tuple[fl
     fn(x, s.context)
     sync(s.device)
     seconds = time.perf_counter() - t0
-    return seconds, residual_destination(codes[0], tuple(x.shape)) if read else None
+    if not read:
+        return seconds, None
+    try:
+        return seconds, residual_destination(codes[0], tuple(x.shape))
+    except (ValueError, StopIteration, IndexError) as e:  # a wrapper this reader does not know: said, not hidden
+        return seconds, Residual(f"unread ({type(e).__name__}: {e})", "", "", None, "", [])
 
 
 def compile_variants(s: Setup, read: bool = False) -> tuple[list[Variant], dict[str, float], dict[str, dict]]:
