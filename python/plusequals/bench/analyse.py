@@ -470,6 +470,10 @@ def _crossing_verdict(results: Results) -> Optional[Verdict]:
     )
 
 
+# Where Inductor's code stores the last residual sum (bench.inductor's destinations), in words.
+INTO = {"caller's x": "the caller's x", "reused buffer": "a buffer it reused", "new buffer": "a new buffer"}
+
+
 def _compiler_verdict(results: Results) -> Optional[Verdict]:
     cv = results.compiler_verdict
     if not cv:
@@ -477,7 +481,8 @@ def _compiler_verdict(results: Results) -> Optional[Verdict]:
     in_place = ", ".join(f"`{v}`" for v in cv.get("in_place", [])) or "none"
     reuse = ", ".join(f"`{v}`" for v in cv.get("reuses_buffers", [])) or "none"
     code = [
-        f"`{name}` stores the last sum into {row['residual_destination']} (`{row['kernel']}`)"
+        f"`{name}` stores the last sum into {INTO.get(row['residual_destination'], row['residual_destination'])} "
+        f"(`{row['kernel']}`)"
         for name, row in cv.get("rows", {}).items()
         if row.get("residual_destination")
     ]
