@@ -6,10 +6,12 @@ results.json; ``compare`` sums a paired ratio up over the shapes of a batch, and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Mapping, Optional
+from dataclasses import replace
+from typing import Callable, Iterable, Optional
 
-from .results import Difference, Drift, Floor, Paired, Record, Results, SameWork, Step, Target, Timing, fmt
+from .comparisons import Verdict, across, compare, one_cell, verdict
+from .comparisons import answer as answer  # re-exported: analyse.answer is the comparisons' words
+from .results import Difference, Drift, Floor, Paired, Results, SameWork, Step, Target, Timing, fmt
 from .timing import paired_differences_us, paired_ratios, spread
 
 # Paired ratios reported besides "every variant / the reference".
@@ -19,6 +21,7 @@ EXTRA_PAIRS = [
     ("rust/forward", "rust/loop"),
     ("rust/loop", "cpp/loop"),
     ("rust/forward", "cpp/forward"),
+    ("compile/iadd", "compile/op_plus_x"),  # the seed's += once Inductor has compiled both
 ]
 # Where the targets of the report's issue apply: they were set for the H200.
 TARGET_DEVICE = "cuda"
@@ -311,104 +314,6 @@ def summarize(data: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- verdicts
-@dataclass(frozen=True, kw_only=True)
-class Comparison(Record):
-    """``variant / vs`` over the shapes of one batch: the paired medians' range, and in how many
-    cells ``variant`` is faster (Q3 < 1), slower (Q1 > 1) or within noise (the interval holds 1).
-    A single cell's comparison carries its quartiles too."""
-
-    variant: str
-    vs: str
-    batch: int
-    lo: float
-    hi: float
-    q1: Optional[float] = None
-    q3: Optional[float] = None
-    cells: int
-    within_noise: int
-    faster: int
-    slower: int
-
-    def to_json(self) -> dict:
-        return {k: v for k, v in super().to_json().items() if v is not None or k not in ("q1", "q3")}
-
-
-def compare(results: Results, batch: int, variant: str, vs: str) -> Optional[Comparison]:
-    """``variant / vs`` across the shapes of one batch (None where no cell has both)."""
-    ps = [p for sh in results.shapes if (p := results.paired.get((batch, sh, variant, vs)))]
-    if not ps:
-        return None
-    return Comparison(
-        variant=variant,
-        vs=vs,
-        batch=batch,
-        lo=min(p.median for p in ps),
-        hi=max(p.median for p in ps),
-        cells=len(ps),
-        within_noise=sum(p.within_noise for p in ps),
-        faster=sum(p.q3 < 1 for p in ps),
-        slower=sum(p.q1 > 1 for p in ps),
-    )
-
-
-def one_cell(p: Paired) -> Comparison:
-    """A paired ratio of a single cell as a comparison (with its quartiles)."""
-    return Comparison(
-        variant=p.variant,
-        vs=p.vs,
-        batch=p.batch,
-        lo=p.median,
-        hi=p.median,
-        q1=p.q1,
-        q3=p.q3,
-        cells=1,
-        within_noise=int(p.within_noise),
-        faster=int(p.q3 < 1),
-        slower=int(p.q1 > 1),
-    )
-
-
-def answer(c: Mapping[str, Any]) -> str:
-    """What a comparison says, in words a reader can act on; counts only (a comparison's
-    ``cells``, ``faster``, ``slower`` and ``within_noise``, as its JSON has them)."""
-    n, f, s, w = c["cells"], c["faster"], c["slower"], c["within_noise"]
-    if w == n:
-        return f"same time within noise (all {n} cells)"
-    if f == n or s == n:
-        return f"{'faster' if f else 'slower'} in all {n} cells"
-    parts = [f"{what} in {k}" for what, k in (("faster", f), ("slower", s), ("within noise", w)) if k]
-    return ", ".join(parts) + f" of {n} cells"
-
-
-def _across(c: Comparison) -> str:
-    return f"{fmt(c.lo)} to {fmt(c.hi)} across shapes, within noise at {c.within_noise} of {c.cells}"
-
-
-@dataclass(frozen=True)
-class Verdict(Record):
-    """One of the report's questions at one batch: its comparisons, a short answer (the first
-    comparison's, or a sentence of its own: ``answer_only``) and REPORT.md's sentence."""
-
-    question: str
-    batch: Optional[int]
-    comparisons: list[Comparison]
-    answer: str
-    answer_only: bool
-    text: str
-
-    def to_json(self) -> dict:
-        return super().to_json() | {"comparisons": [c.to_json() for c in self.comparisons]}
-
-
-def verdict(
-    question: str, batch: Optional[int], comparisons: list[Comparison], text: str, answer_text: Optional[str] = None
-) -> Verdict:
-    """A question answered by its first comparison's counts, unless ``answer_text`` answers it."""
-    head = comparisons[0] if comparisons else None
-    said = answer_text or (f"`{head.variant}` {answer(head.to_json())}" if head else "")
-    return Verdict(question, batch, comparisons, said, answer_text is not None, text)
-
-
 def verdict_items(results: Results) -> list[Verdict]:
     """The report's questions, each with its paired comparisons (``compare``) and the sentence
     REPORT.md prints; every number is a paired ratio or a count from results.json."""
@@ -419,7 +324,7 @@ def verdict_items(results: Results) -> list[Verdict]:
 
 def _batch_verdicts(results: Results, batch: int) -> list[Verdict]:
     asked = [_iadd(results, batch), _same_work(results, batch), _python(results, batch), _rust_or_tch(results, batch)]
-    asked += [_launch_floor(results, batch), _graph_iadd(results, batch)]
+    asked += [_launch_floor(results, batch), _graph_iadd(results, batch), _compiled_iadd(results, batch)]
     return [v for v in asked if v is not None] + _compilers(results, batch)
 
 
@@ -427,7 +332,7 @@ def _iadd(results: Results, batch: int) -> Optional[Verdict]:
     ref = results.reference
     if ia := compare(results, batch, "eager/iadd", ref):
         return verdict(
-            "Is `+=` faster?", batch, [ia], f"- Is `+=` faster (batch {batch})? `eager/iadd` / `{ref}`: {_across(ia)}."
+            "Is `+=` faster?", batch, [ia], f"- Is `+=` faster (batch {batch})? `eager/iadd` / `{ref}`: {across(ia)}."
         )
     return None
 
@@ -458,8 +363,8 @@ def _python(results: Results, batch: int) -> Optional[Verdict]:
         "Is Python the bottleneck?",
         batch,
         [rs, lp],
-        f"- Is Python the bottleneck (batch {batch})? `rust/forward` / `{ref}`: {_across(rs)}; `rust/loop` / "
-        f"`{ref}`: {_across(lp)}.",
+        f"- Is Python the bottleneck (batch {batch})? `rust/forward` / `{ref}`: {across(rs)}; `rust/loop` / "
+        f"`{ref}`: {across(lp)}.",
     )
 
 
@@ -473,8 +378,8 @@ def _rust_or_tch(results: Results, batch: int) -> Optional[Verdict]:
         "Rust or tch?",
         batch,
         [tch, cf, cl],
-        f"- Rust or tch (batch {batch})? `cpp/forward` / `{ref}`: {_across(cf)}; `cpp/loop` / `{ref}`: {_across(cl)}. "
-        f"The tch layer (its C API, a heap handle per op): `rust/loop` / `cpp/loop`: {_across(tch)}.",
+        f"- Rust or tch (batch {batch})? `cpp/forward` / `{ref}`: {across(cf)}; `cpp/loop` / `{ref}`: {across(cl)}. "
+        f"The tch layer (its C API, a heap handle per op): `rust/loop` / `cpp/loop`: {across(tch)}.",
     )
 
 
@@ -485,7 +390,7 @@ def _launch_floor(results: Results, batch: int) -> Optional[Verdict]:
             "The launch-free floor",
             batch,
             [gp],
-            f"- The launch-free floor (batch {batch}): `graph/op_plus_x` / `{ref}`: {_across(gp)}.",
+            f"- The launch-free floor (batch {batch}): `graph/op_plus_x` / `{ref}`: {across(gp)}.",
         )
     return None
 
@@ -496,20 +401,33 @@ def _graph_iadd(results: Results, batch: int) -> Optional[Verdict]:
             "`+=` without launch overhead?",
             batch,
             [gi],
-            f"- `+=` without launch overhead (batch {batch}): `graph/iadd` / `graph/op_plus_x`: {_across(gi)}.",
+            f"- `+=` without launch overhead (batch {batch}): `graph/iadd` / `graph/op_plus_x`: {across(gi)}.",
+        )
+    return None
+
+
+def _compiled_iadd(results: Results, batch: int) -> Optional[Verdict]:
+    if ci := compare(results, batch, "compile/iadd", "compile/op_plus_x"):
+        return verdict(
+            "Is `+=` faster compiled?",
+            batch,
+            [ci],
+            f"- Is `+=` faster once torch.compile (Inductor) has compiled both (batch {batch})? "
+            f"`compile/iadd` / `compile/op_plus_x`: {across(ci)}.",
         )
     return None
 
 
 def _compilers(results: Results, batch: int) -> list[Verdict]:
     ref = results.reference
-    cps = [c for mode in ("default", "reduce-overhead") if (c := compare(results, batch, f"compile/{mode}", ref))]
+    names = ("compile/op_plus_x", "compile/default", "compile/reduce-overhead")  # compile/default: older reports
+    cps = [c for name in names if (c := compare(results, batch, name, ref))]
     return [
         verdict(
             "Should a compiler do it?",
             batch,
             [cp],
-            f"- Should a compiler do it (batch {batch})? `{cp.variant}` / `{ref}`: {_across(cp)}.",
+            f"- Should a compiler do it (batch {batch})? `{cp.variant}` / `{ref}`: {across(cp)}.",
         )
         for cp in cps
     ]
@@ -552,27 +470,53 @@ def _crossing_verdict(results: Results) -> Optional[Verdict]:
     )
 
 
+# Where Inductor's code stores the last residual sum (bench.inductor's destinations), in words.
+INTO = {"caller's x": "the caller's x", "reused buffer": "a buffer it reused", "new buffer": "a new buffer"}
+
+
 def _compiler_verdict(results: Results) -> Optional[Verdict]:
     cv = results.compiler_verdict
     if not cv:
         return None
     in_place = ", ".join(f"`{v}`" for v in cv.get("in_place", [])) or "none"
     reuse = ", ".join(f"`{v}`" for v in cv.get("reuses_buffers", [])) or "none"
+    code = [
+        f"`{name}` stores the last sum into {INTO.get(row['residual_destination'], row['residual_destination'])} "
+        f"(`{row['kernel']}`)"
+        for name, row in cv.get("rows", {}).items()
+        if row.get("residual_destination")
+    ]
+    inductor = f" Inductor's generated code: {'; '.join(code)}." if code else ""
     return verdict(
         "Which compiler makes the residual add in place?",
         cv["batch"],
         [],
         f"- Which compiler turns `x = op(norm(x)) + x` into an in-place add (measured at batch {cv['batch']}, "
         f"{cv['shape']})? "
-        f"Output written into x's own buffer: {in_place}. Residual sums into buffers the plan already held: {reuse}.",
+        f"Output written into x's own buffer: {in_place}. Residual sums into buffers the plan already held: {reuse}."
+        + inductor,
         f"writes into x's buffer: {in_place}; reuses its own buffers: {reuse} ({cv['shape']})",
     )
+
+
+def step_ratio(results: Results, batch: int, v: str, vs: str) -> Optional[float]:
+    """``v / vs`` for one UNet step's blocks: each shape's paired ratio weighted by its share of
+    ``vs``'s step (None unless every shape has the pair)."""
+    shapes, blocks = results.shapes, results.blocks
+    ps = [results.paired.get((batch, sh, v, vs)) for sh in shapes]
+    rows = [results.rows.get((batch, sh, vs)) for sh in shapes]
+    if any(p is None for p in ps) or any(r is None for r in rows):
+        return None
+    weight = [r.median_ms * blocks[sh] for r, sh in zip(rows, shapes)]
+    return sum(p.median * w for p, w in zip(ps, weight)) / sum(weight)
 
 
 def _seed_verdict(results: Results) -> Optional[Verdict]:
     step, seed, ref = results.per_step.get((2, "eager/iadd")), results.config["seed_claim"], results.reference
     if step is None or step.vs_reference is None:
         return None
+    compiled = step_ratio(results, 2, "compile/iadd", "compile/op_plus_x")
+    also = "" if compiled is None else f"; compiled, `compile/iadd` / `compile/op_plus_x` per step: {fmt(compiled)}"
     return verdict(
         "The seed's ~7%?",
         2,
@@ -581,7 +525,7 @@ def _seed_verdict(results: Results) -> Optional[Verdict]:
         f"(~{fmt(seed['speedup_pct'])}%) "
         f"is a step time ratio of {fmt(seed['step_time_ratio'])}. For the blocks alone at batch 2, `eager/iadd` / "
         f"`{ref}` per step, "
-        f"paired: {fmt(step.vs_reference)}.",
+        f"paired: {fmt(step.vs_reference)}{also}.",
         f"claimed step ratio {fmt(seed['step_time_ratio'])}; blocks per step here, `eager/iadd` / `{ref}`: "
-        f"{fmt(step.vs_reference)}",
+        f"{fmt(step.vs_reference)}{also}",
     )

@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 
 from ..model.jax_ownership import buffer_pointer, jax_block_module, xla_input_output_alias, xla_memory
+from .inductor import CALLER, REUSED
 from .setup import Setup
 from .variants import Variant
 
@@ -292,15 +293,18 @@ def compiler_variants(s: Setup) -> tuple[list[Variant], dict]:
     return variants, info
 
 
-def verdict(jax_info: Optional[dict] = None, ort_info: Optional[dict] = None) -> dict:
+def verdict(jax_info: Optional[dict] = None, ort_info: Optional[dict] = None, inductor: Optional[dict] = None) -> dict:
     """Which compiler turns ``x = op(norm(x)) + x`` into an in-place add, as data.
 
     Per variant: ``output_in_input_buffer`` (measured: the block's result came back in the
     caller's x buffer, i.e. the last residual sum was written over x), ``residual_adds_new_bytes``
     (ORT: bytes each residual Add newly allocated; 0 means the sum went into a buffer the plan
     already held), ``peak_mb`` (see the module doc) and, for donation, ``saved_mb`` against plain
-    jit. ``in_place`` lists the variants whose output took x's buffer; ``reuses_buffers`` the ones
-    whose residual sums (except the returned one) allocated nothing new."""
+    jit. ``inductor``: :func:`.inductor.residual_destination` per torch.compile variant, read from
+    the code Inductor generated (``residual_destination``: the caller's x, a buffer it reused, or a
+    new one). ``in_place`` lists the variants whose output took x's buffer; ``reuses_buffers`` the
+    ones whose residual sums (except the returned one) allocated nothing new, or (Inductor) whose
+    last sum went into a buffer it reused."""
     rows: dict[str, dict] = {}
     if jax_info:
         for name in JAX_NAMES:
@@ -331,12 +335,27 @@ def verdict(jax_info: Optional[dict] = None, ort_info: Optional[dict] = None) ->
             or None,
             "evidence": "OrtValue.data_ptr; ORT profiler arena statistics",
         }
+    for name, r in (inductor or {}).items():
+        rows[name] = {
+            "output_in_input_buffer": r["destination"] == CALLER,
+            "input_deleted": False,
+            "alias_bytes": None,
+            "peak_mb": None,
+            "residual_adds_new_bytes": None,  # Inductor's plan is its code: read, not profiled
+            "residual_destination": r["destination"],
+            "returned": r["returned"],
+            "defined": r["defined"],
+            "kernel": r["kernel"],
+            "fused_adds": r["fused_adds"],
+            "evidence": "torch._inductor.utils.run_and_get_code: the wrapper's returned buffer and its add kernel",
+        }
     return {
         "rows": rows,
         "in_place": sorted(n for n, r in rows.items() if r["output_in_input_buffer"]),
         "reuses_buffers": sorted(
             n
             for n, r in rows.items()
-            if r.get("residual_adds_new_bytes") and all(b == 0 for b in r["residual_adds_new_bytes"][:-1])
+            if (r.get("residual_adds_new_bytes") and all(b == 0 for b in r["residual_adds_new_bytes"][:-1]))
+            or r.get("residual_destination") == REUSED
         ),
     }

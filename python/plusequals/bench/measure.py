@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .. import _rust
-from . import compilers, timing, unet
+from . import compilers, inductor, timing, unet
 from .results import Boundary, Cell, CompilerInfo, HostCost, PerShape, Profile, Recorder, Results, Row, Timing
 from .setup import (
     HOST_BATCH,
@@ -43,7 +43,6 @@ from .setup import (
 from .variants import (
     REFERENCE,
     Variant,
-    compile_variants,
     cpp_variants,
     differences_settled,
     eager_variants,
@@ -118,16 +117,19 @@ class Plan:
     compile_skipped: Optional[str]  # why torch.compile is not measured
     compilers: bool
     unet: bool
+    # Inductor's cache directory for this run (``None``: torch's default), and whether it held
+    # anything when the run began (a warm cache skips Inductor's C++ compiles).
+    inductor_cache: Optional[str] = None
+    inductor_cache_warm: Optional[bool] = None
+    compile_batches: tuple[int, ...] = BATCHES  # the batches whose cells time torch.compile
 
 
 def plan(device: str, quick: bool, unet: bool = True, compile: bool = True, compilers_flag: bool = True) -> Plan:
     """The run's settings for ``device`` at the quick or the SD v1 shapes; ``compile`` and
     ``compilers_flag``: measure torch.compile, and JAX / ONNX Runtime where installed."""
     rounds = 11 if device == "cuda" else (9 if quick else 7)
-    with_compile = compile and not (quick and device == "cpu")
-    skipped = (
-        "--no-compile" if not compile else "--quick on the CPU: inductor's C++ compile alone exceeds the quick budget"
-    )
+    with_compile = compile
+    skipped = "--no-compile"
     return Plan(
         device=device,
         quick=quick,
@@ -143,6 +145,9 @@ def plan(device: str, quick: bool, unet: bool = True, compile: bool = True, comp
         compile_skipped=None if with_compile else skipped,
         compilers=compilers_flag and any(compilers.available().values()),
         unet=unet,
+        # quick on the CPU: the seed's batch only (its 7 % is a batch-2 claim), since each cell's
+        # two compiles cost seconds to tens of seconds on a small CPU (cold cache)
+        compile_batches=BATCHES[:1] if (quick and device == "cpu") else BATCHES,
     )
 
 
@@ -182,6 +187,10 @@ def config(p: Plan) -> dict:
         "compiler_versions": compilers.versions() if p.compilers else None,
         "seed_claim": SEED_CLAIM,
         "torch_compile_skipped_reason": p.compile_skipped,
+        "torch_compile_shapes": "static, one compile per strategy per cell" if p.torch_compile else None,
+        "torch_compile_batches": list(p.compile_batches) if p.torch_compile else None,
+        "inductor_cache": p.inductor_cache,
+        "inductor_cache_warm": p.inductor_cache_warm,
         "grad_mode": "torch.no_grad()",
         "model": "SD v1",
         "shapes_note": "quick shapes: SD v1 widths / 4, tokens / 16" if p.quick else "SD v1 shapes",
@@ -332,18 +341,20 @@ def cell_variants(rec: Recorder, p: Plan, s: Setup, batch: int, shape: str, say:
     cv = CellVariants(eager_variants(s) + rust_variants(s, p.loop_n) + cpp_variants(s, p.loop_n), {}, {})
     if p.device == "cuda":
         cv.variants += graph_variants(s)
-    if p.torch_compile:
+    residual: dict = {}
+    first = "compiler_verdict" not in rec.data  # the verdict is judged on the first cell's measurements
+    if p.torch_compile and batch in p.compile_batches:
         say("torch.compile")
-        compiled, cv.compile_s = compile_variants(s)
+        compiled, cv.compile_s, residual = inductor.compile_variants(s, read=first)
         cv.variants += compiled
     if p.compilers:
         say("JAX / ONNX Runtime")
         built, cv.compiler_info = compilers.compiler_variants(s)
         cv.variants += built
         rec.add("compilers", CompilerInfo(batch=batch, shape=shape, info=_jsonable(cv.compiler_info)))
-        if "compiler_verdict" not in rec.data:  # judged on the first cell's measurements
-            verdict = compilers.verdict(cv.compiler_info.get("jax"), cv.compiler_info.get("onnxruntime"))
-            rec.set("compiler_verdict", {"batch": batch, "shape": shape} | _jsonable(verdict))
+    if first and (p.compilers or residual):
+        verdict = compilers.verdict(cv.compiler_info.get("jax"), cv.compiler_info.get("onnxruntime"), residual)
+        rec.set("compiler_verdict", {"batch": batch, "shape": shape} | _jsonable(verdict))
     return cv
 
 

@@ -59,6 +59,17 @@ def _header(res: Results) -> list[str]:
     ]
     if not cfg["torch_compile"]:
         md += ["", f"torch.compile was not measured: {cfg['torch_compile_skipped_reason']}."]
+    elif cfg.get("inductor_cache"):
+        warm = "warm (kept from an earlier run)" if cfg.get("inductor_cache_warm") else "cold (empty)"
+        md += [
+            "",
+            "torch.compile (Inductor, default mode) compiles `op_plus_x` and `iadd` once per cell, static shapes, "
+            f"at batch {', '.join(str(b) for b in cfg.get('torch_compile_batches') or cfg['batches'])}; "
+            f"Inductor's cache is `{cfg['inductor_cache']}`, {warm} at the start of this run, so a second run skips "
+            "Inductor's C++ compiles. Compile seconds (the first two calls), apart from the times: "
+            + _compile_seconds(res)
+            + ".",
+        ]
     if cfg["device"] == "cpu":
         md += [
             "",
@@ -67,6 +78,16 @@ def _header(res: Results) -> list[str]:
             + ") times libtorch's CPU kernels; it is no verdict on the GPU, where the seed's question lives.",
         ]
     return md
+
+
+def _compile_seconds(res: Results) -> str:
+    """Each compiled row's compile seconds, cell by cell (``compile_s`` in results.json)."""
+    cells = [
+        f"`{r.variant}` {fmt(r.compile_s)} s (batch {r.batch}, {r.shape})"
+        for r in res.rows.values()
+        if r.compile_s is not None
+    ]
+    return "; ".join(cells) or "none measured"
 
 
 def _method(cfg: dict) -> str:
@@ -119,10 +140,15 @@ def _batch(res: Results, batch: int) -> list[str]:
     return md + (_memory(res, batch) if res.config["device"] == "cuda" else [])
 
 
+def _timed(res: Results, batch: int) -> list[str]:
+    """The variants with a row at ``batch`` (the quick CPU run compiles at batch 2 only)."""
+    return [v for v in res.variants if any(res.row(batch, sh, v) for sh in res.shapes)]
+
+
 def _times(res: Results, batch: int) -> list[str]:
     shapes = res.shapes
     notes = {r.variant: r.note for r in res.rows.values()}
-    rows = [[f"`{v}`"] + [time_cell(res.row(batch, sh, v)) for sh in shapes] + [notes[v]] for v in res.variants]
+    rows = [[f"`{v}`"] + [time_cell(res.row(batch, sh, v)) for sh in shapes] + [notes[v]] for v in _timed(res, batch)]
     rows.append(
         ["roofline floor"]
         + [fmt(res.roofline[batch, sh].roofline_ms) for sh in shapes]
@@ -142,7 +168,7 @@ def _ratios(res: Results, batch: int) -> list[str]:
     shapes, ref = res.shapes, res.reference
     rows = [
         [f"`{v}`"] + [ratio_cell(res.paired.get((batch, sh, v, ref))) for sh in shapes]
-        for v in res.variants
+        for v in _timed(res, batch)
         if v != ref
     ]
     md = [
@@ -195,7 +221,7 @@ def _memory(res: Results, batch: int) -> list[str]:
         peak, host = (None, None) if r is None else (r.peak_mb, r.host_ms)
         return f"{_or_dash(peak)} MB / {_or_dash(host)} ms"
 
-    rows = [[f"`{v}`"] + [cell(res.row(batch, sh, v)) for sh in res.shapes] for v in res.variants]
+    rows = [[f"`{v}`"] + [cell(res.row(batch, sh, v)) for sh in res.shapes] for v in _timed(res, batch)]
     return [
         "",
         f"Peak memory and host time per call (batch {batch}; host time: unsynchronised, the reset's host time "

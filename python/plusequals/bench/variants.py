@@ -5,12 +5,11 @@ time includes.
 Variants that consume their input (``+=`` on the caller's tensor, a donated tensor) first restore
 or re-create it; that reset is timed as a probe of its own in the same round and subtracted
 (``variant_probes``, ``variant_ms``). The families: PyTorch eager (every residual strategy), Rust,
-C++, CUDA-graph replay and torch.compile; the JAX and ONNX Runtime ones are in :mod:`.compilers`.
+C++ and CUDA-graph replay; torch.compile's are in :mod:`.inductor`, JAX's and ONNX Runtime's in :mod:`.compilers`.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, Mapping, Optional, Sequence
@@ -20,7 +19,7 @@ import torch
 from ..model.blocks import STRATEGIES
 from ..twin.block import CppBlock, RustBlock
 from .setup import Setup
-from .timing import net_ms, paired_differences_us, paired_ratios, spread, sync
+from .timing import net_ms, paired_differences_us, paired_ratios, spread
 
 REFERENCE = "eager/op_plus_x"
 HOST_VARIANTS = (
@@ -281,20 +280,3 @@ def _graph_iadd(s: Setup) -> Variant:
     s.graphs.append(copy_graph)
     note = "one CUDA-graph replay of the eager forward and its input copy_; " + RESTORED.format(how="the copy_ graph")
     return Variant("graph/iadd", "graph", graph.replay, note, reset=copy_graph.replay)
-
-
-def compile_variants(s: Setup) -> tuple[list[Variant], dict[str, float]]:
-    """torch.compile of op_plus_x, default and reduce-overhead; returns compile seconds too."""
-    out, seconds = [], {}
-    modes = ["default", "reduce-overhead"] if s.device == "cuda" else ["default"]
-    torch._dynamo.reset()  # one cache per setup: no recompile limit across shapes
-    for mode in modes:
-        fn = torch.compile(lambda x, c: s.block(x, c, residual="op_plus_x"), mode=mode, dynamic=False)
-        t0 = time.perf_counter()
-        for _ in range(3):  # reduce-overhead records its CUDA graph on a later call
-            fn(s.x, s.context)
-        sync(s.device)
-        seconds[mode] = time.perf_counter() - t0
-        note = f"one compiled op_plus_x forward ({mode}); compile time is not included (compile_s)"
-        out.append(Variant(f"compile/{mode}", "compile", lambda fn=fn: fn(s.x, s.context), note))
-    return out, seconds

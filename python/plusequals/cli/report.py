@@ -12,6 +12,7 @@ import contextlib
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -41,8 +42,9 @@ def run(
         return 2
     console = Console(quiet=output != "rich")
     outdir = Path(out)
-    with stdout_to_stderr() if output == "json" else contextlib.nullcontext():
-        data = report(measure.plan(device, quick, unet, compile, compilers_flag), outdir, console)
+    plan = measure.plan(device, quick, unet, compile, compilers_flag)
+    with stdout_to_stderr() if output == "json" else contextlib.nullcontext(), inductor_cache(plan) as plan:
+        data = report(plan, outdir, console)
     emit(data, outdir, output, console)
     return 0
 
@@ -57,6 +59,29 @@ def report(plan: measure.Plan, outdir: Path, console: Console) -> dict:
     (outdir / "REPORT.md").write_text(render.render(rec.data))
     render.plots(rec.data, outdir)
     return rec.data
+
+
+# Inductor's cache for a report run, unless TORCHINDUCTOR_CACHE_DIR names one: under the Rust
+# build's git-ignored target/, so that a second `make report` finds its kernels compiled.
+INDUCTOR_CACHE = Path("target") / "inductor-cache"
+
+
+@contextlib.contextmanager
+def inductor_cache(plan: measure.Plan) -> Iterator[measure.Plan]:
+    """Runs the report with Inductor's cache in ``INDUCTOR_CACHE`` (or the one the environment
+    names), the environment restored after; yields the plan with the directory and whether it was
+    warm."""
+    if not plan.torch_compile:
+        yield plan
+        return
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir, temporary_cache_dir
+
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    # torch writes its default into the environment the first time it asks: that is not a choice
+    where = Path(named) if named and named != default_cache_dir() else INDUCTOR_CACHE
+    warm = where.is_dir() and any(where.iterdir())
+    with temporary_cache_dir(str(where.absolute())):
+        yield replace(plan, inductor_cache=str(where), inductor_cache_warm=warm)
 
 
 @contextlib.contextmanager
