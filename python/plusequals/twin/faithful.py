@@ -65,6 +65,12 @@ CHILDREN = ("norm1", "attn1", "norm2", "attn2", "norm3", "ff")
 #: ignores the slice size: it only bounds memory).
 SUPPORTED_PROCESSORS = ("AttnProcessor2_0", "AttnProcessor", "SlicedAttnProcessor")
 
+#: The refused processors SD users load, by class-name prefix: the feature they implement (named in the refusal).
+_PROCESSOR_KINDS = {
+    "IPAdapter": "IP-Adapter: a decoupled cross-attention on the image embeddings, to_k_ip/to_v_ip per adapter",
+    "CustomDiffusion": "Custom Diffusion: key/value projections of its own (to_k_custom_diffusion, ...)",
+}
+
 #: What ``read_block`` (and ``RustBlock.from_torch``) may be told to trust: nothing beyond the
 #: classes it knows (None), or classes it does not know, once a probe agrees ("probe").
 TRUST = (None, "probe")
@@ -563,34 +569,20 @@ def _diffusers_attention(r: _Reader, attn: Any, name: str, processor_mod) -> Non
     r.called.append(processor)
     supported = tuple(getattr(processor_mod, n) for n in SUPPORTED_PROCESSORS)
     if type(processor) not in supported:
+        kind = next((v for k, v in _PROCESSOR_KINDS.items() if type(processor).__name__.startswith(k)), None)
         r.no(
-            f"{name} uses attention processor {class_name(processor)}; only {', '.join(SUPPORTED_PROCESSORS)} "
-            "are supported"
+            f"{name} uses attention processor {class_name(processor)}"
+            + (f" ({kind}, which the Rust block does not compute)" if kind else "")
+            + f"; only {', '.join(SUPPORTED_PROCESSORS)} are supported"
         )
     if w.get(attn, "fused_projections"):
         r.no(f"{name} has fused QKV projections (fuse_qkv_projections)")
-    for flag in (
-        "spatial_norm",
-        "group_norm",
-        "norm_q",
-        "norm_k",
-        "norm_cross",
-        "added_kv_proj_dim",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    ):
+    none_flags = "spatial_norm group_norm norm_q norm_k norm_cross added_kv_proj_dim add_q_proj add_k_proj add_v_proj"
+    for flag in (*none_flags.split(), "to_add_out"):
         if w.get(attn, flag) is not None:
             r.no(f"{name}.{flag} is set")
-    for flag in (
-        "residual_connection",
-        "upcast_attention",
-        "upcast_softmax",
-        "only_cross_attention",
-        "is_causal",
-        "pre_only",
-    ):
+    true_flags = "residual_connection upcast_attention upcast_softmax only_cross_attention is_causal pre_only"
+    for flag in true_flags.split():
         if w.get(attn, flag, False):
             r.no(f"{name}.{flag} is True")
     factor = w.get(attn, "rescale_output_factor", 1.0)

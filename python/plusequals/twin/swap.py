@@ -151,9 +151,23 @@ class RustTransformerBlock(RustBlock):
             )
         if kwargs:
             raise TypeError(f"{where}: unexpected keyword arguments {sorted(kwargs)}")
+        if isinstance(encoder_hidden_states, (tuple, list)):
+            self._refuse_image_embeddings(type(encoder_hidden_states).__name__)
         if self.owned and not torch.is_grad_enabled():
             return RustBlock.forward_owned(self, hidden_states, encoder_hidden_states, donate=False, **masks)
         return RustBlock.forward(self, hidden_states, encoder_hidden_states, **masks)
+
+    def _refuse_image_embeddings(self, kind: str) -> None:
+        """diffusers' UNet passes ``(text embeddings, [image embeddings])`` as encoder_hidden_states when an
+        IP-Adapter is loaded (``encoder_hid_dim_type="ip_image_proj"``): refused naming the cause, after the
+        block's own check (which names an IP-Adapter processor), never a TypeError from the boundary."""
+        self._ensure_current()
+        processor = type(getattr(self._modules.get("attn2"), "processor", None)).__name__
+        raise UnsupportedBlockError(
+            f"{self._where()}: encoder_hidden_states is a {kind}, IP-Adapter's (text embeddings, image embeddings) "
+            f"that diffusers' UNet passes when an IP-Adapter is loaded, but attn2's processor is {processor}, which "
+            "takes one tensor: IP-Adapter is not supported by the Rust block"
+        )
 
     def _check_mask_for_processor(self, name: str, mask: Tensor, attn: str) -> None:
         """A boolean mask is SDPA's (True: attend), and a (batch, keys) one is viewed per head, under
