@@ -29,10 +29,11 @@ fn masks_follow_diffusers_semantics_in_both_attention_paths() -> plusequals::Res
     for attention in [Attention::Sdpa, Attention::Einsum] {
         let b = block(attention);
         let plain = b.forward(&x, Some(&c))?;
-        let zeroed = b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&zero) })?;
+        let zeroed = b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&zero), ..Masks::NONE })?;
         assert!(rel_err(&zeroed, &plain) <= 1e-6, "a zero bias changes nothing");
-        let by_bool = b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&keep) })?;
-        let by_bias = b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&bias.unsqueeze(1)) })?;
+        let by_bool = b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&keep), ..Masks::NONE })?;
+        let by_bias =
+            b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&bias.unsqueeze(1)), ..Masks::NONE })?;
         assert!(rel_err(&by_bool, &plain) > 1e-3, "hiding keys changes the output");
         assert!(rel_err(&by_bool, &by_bias) <= 1e-5, "-10000 and a boolean mask hide the same keys");
         outs.push(by_bool);
@@ -50,7 +51,7 @@ fn the_cpp_twin_computes_the_same_masked_block() -> plusequals::Result<()> {
         let mut w: Vec<(String, Tensor)> = small_weights(0)?.into_iter().collect();
         w.sort_by(|a, b| a.0.cmp(&b.0));
         let cpp = CppBlock::from_weights(&w, &cfg)?;
-        let masks = Masks { attn1: Some(&mask), attn2: None };
+        let masks = Masks { attn1: Some(&mask), attn2: None, ..Masks::NONE };
         let rust = block(attention).forward_masked(&x, Some(&c), masks)?;
         assert!(cpp.forward_masked(&x, Some(&c), masks)?.equal(&rust), "the same ops in the same order");
     }
@@ -68,8 +69,11 @@ fn bad_masks_are_errors_naming_the_argument() -> plusequals::Result<()> {
         (f(&[2, 7], Kind::Int64), false, "encoder_attention_mask dtype Int64 is neither bool nor floating point"),
     ];
     for (mask, first, want) in cases {
-        let masks =
-            if first { Masks { attn1: Some(&mask), attn2: None } } else { Masks { attn1: None, attn2: Some(&mask) } };
+        let masks = if first {
+            Masks { attn1: Some(&mask), attn2: None, ..Masks::NONE }
+        } else {
+            Masks { attn1: None, attn2: Some(&mask), ..Masks::NONE }
+        };
         let err = b.forward_masked(&x, Some(&c), masks).expect_err(want);
         assert!(matches!(err, Error::Input { .. }) && err.to_string().contains(want), "{err} should say {want:?}");
     }

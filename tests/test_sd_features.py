@@ -2,12 +2,13 @@
 diffusers' own API (``IPAdapterMixin.load_ip_adapter`` with state dicts made in code,
 ``set_ip_adapter_scale``, ``unload_ip_adapter``, ``enable_layerwise_casting``), no download.
 
-Neither runs in Rust yet: each is refused with an ``UnsupportedBlockError`` naming it (never the
-``TypeError`` IP-Adapter's tuple ``encoder_hidden_states`` used to raise at the boundary, nor a
-generic "forward override" for layerwise casting), the refusal leaves every input and weight as it
-was, and once the feature is gone again the swapped UNet is bitwise the library's. Generated
-sequences of those changes check that the swapped blocks follow all of them: each call equals an
-unswapped twin that went through the same changes, or is refused naming the feature loaded now.
+IP-Adapter (``IPAdapterAttnProcessor2_0``) runs in the Rust block: the swapped UNet's output and
+gradients (image embeddings, text, every weight) are bitwise the library's, with two adapters and
+their scales (0 included: diffusers skips the adapter). Layerwise casting is refused with an
+``UnsupportedBlockError`` naming it (not a generic "forward override"), leaving every input and
+weight as it was; once undone the swapped UNet is bitwise the library's again. Generated sequences
+of those changes check that the swapped blocks follow all of them: each call equals an unswapped
+twin that went through the same changes, or is refused naming layerwise casting.
 diffusers 0.42 cannot undo layerwise casting (``LayerwiseCastingHook.deinitalize_hook`` raises
 ``NotImplementedError``): :func:`undo_layerwise_casting` puts the modules back as they were before
 it (no hook registry, no instance ``forward``, the fp32 weights).
@@ -31,7 +32,6 @@ from diffusers.loaders import IPAdapterMixin  # noqa: E402
 from diffusers.models.attention import BasicTransformerBlock  # noqa: E402
 
 CLIP = 16  # the image embedding's width, projected to 4 tokens of cross_attention_dim by ImageProjection
-IP_ADAPTER = "IP-Adapter: a decoupled cross-attention"
 CASTING = "diffusers' layerwise casting hook"
 SLOW = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -125,23 +125,69 @@ def assert_refused(unet, cause):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_ip_adapter_is_refused_naming_it_then_runs_when_unloaded():
-    unet, reference = make_unet(), make_unet()
-    expected = run(reference)
-    handle = swap_transformer_blocks(unet)
-    load_ip_adapters(unet, [3])  # after the swap: the blocks see the tuple and the new processors
-    assert_refused(unet, IP_ADAPTER)
-    Pipe(unet).set_ip_adapter_scale(0.0)  # a scale of 0 adds nothing in diffusers, but to_k_ip stays: refused
-    assert_refused(unet, IP_ADAPTER)
-    Pipe(unet).unload_ip_adapter()
-    assert torch.equal(run(unet), expected)
+def grads(unet, seed=5):
+    """The output and the gradients of a loss for the text, the image embeddings and every weight."""
+    g = torch.Generator().manual_seed(seed)
+    sample, text = torch.randn(2, 4, 16, 16, generator=g), torch.randn(2, 77, 32, generator=g).requires_grad_()
+    images = [torch.randn(2, 1, CLIP, generator=g).requires_grad_() for _ in range(n_adapters(unet))]
+    unet.zero_grad(set_to_none=True)
+    y = unet(sample, torch.tensor([10, 700]), text, added_cond_kwargs={"image_embeds": images}).sample
+    y.square().sum().backward()
+    return [y, text.grad, *(i.grad for i in images)] + [p.grad for _, p in sorted(unet.named_parameters())]
 
-    handle.undo()  # loaded before the swap: the swap refuses, naming it
-    load_ip_adapters(unet, [3, 4])
-    with pytest.raises(UnsupportedBlockError, match=IP_ADAPTER) as info:
+
+def same(a, b):
+    """Bitwise equal, or both None (the parameters of an adapter whose scale is 0 get no gradient)."""
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+@pytest.mark.parametrize("after_the_swap", [False, True])
+def test_ip_adapter_runs_in_rust_bitwise_forward_and_backward(after_the_swap):
+    unet, reference = make_unet(), make_unet()
+    if after_the_swap:
         swap_transformer_blocks(unet)
-    assert "refused 4 of 4" in str(info.value)
-    assert not any(isinstance(m, RustTransformerBlock) for m in unet.modules())
+    for u in (unet, reference):
+        load_ip_adapters(u, [3, 4])
+        Pipe(u).set_ip_adapter_scale([0.7, 0.0])  # one per adapter; 0: diffusers skips the adapter
+    if not after_the_swap:
+        swap_transformer_blocks(unet)
+    blocks = [m for m in unet.modules() if isinstance(m, RustTransformerBlock)]
+    assert len(blocks) == 4
+    got, expected = grads(unet), grads(reference)
+    assert all(b._config.ip_adapter == (0.7, 0.0) for b in blocks)  # read from the processors, in Rust
+    assert len(got) == len(expected) and all(same(a, b) for a, b in zip(got, expected))
+    ip_grads = [p.grad for n, p in unet.named_parameters() if "_ip.0." in n]
+    assert len(ip_grads) == 8 and all(g is not None and g.abs().sum() > 0 for g in ip_grads)
+    assert not torch.equal(run(unet), run(make_unet()))  # the adapters matter
+    for u in (unet, reference):
+        Pipe(u).set_ip_adapter_scale([1.5, 0.5])  # written in place into each processor's list: followed
+    assert torch.equal(run(unet), run(reference))
+    for u in (unet, reference):
+        Pipe(u).unload_ip_adapter()
+    assert torch.equal(run(unet), run(reference))
+
+
+def test_ip_adapter_where_the_rust_block_cannot_run_it_is_refused_naming_it():
+    """The C++ twin computes no IP-Adapter, the custom ops take no image embeddings, and per-image
+    scales (lists, for ip_adapter_masks) are refused: each says so."""
+    from plusequals import CppBlock
+
+    unet = make_unet()
+    load_ip_adapters(unet, [3])
+    block = next(m for m in unet.modules() if isinstance(m, BasicTransformerBlock))
+    with pytest.raises(ValueError, match="the C\\+\\+ twin computes no IP-Adapter"):
+        CppBlock.from_torch(block)
+    swap_transformer_blocks(unet)
+    rust = next(m for m in unet.modules() if isinstance(m, RustTransformerBlock))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, text, image = torch.empty(2, 16, 32), torch.empty(2, 77, 32), torch.empty(2, 1, 4, 32)
+        with pytest.raises(UnsupportedBlockError, match="a block with an IP-Adapter cannot be traced"):
+            rust(x, encoder_hidden_states=(text, [image]))
+    Pipe(unet).set_ip_adapter_scale([[0.5]])  # per-image scales
+    with pytest.raises(UnsupportedBlockError, match=r"attn2.processor.scale\[0\] is \[0.5\]: per-image scales"):
+        run(unet)
 
 
 def test_a_tuple_for_a_processor_that_takes_one_tensor_is_refused_naming_ip_adapter():
@@ -170,7 +216,7 @@ def test_layerwise_casting_is_refused_naming_it_then_runs_when_undone():
 
 OPS = st.one_of(
     st.tuples(st.just("load"), st.lists(st.integers(0, 9), min_size=1, max_size=2)),
-    st.tuples(st.just("scale"), st.sampled_from([0.0, 0.5, 1.0])),
+    st.tuples(st.just("scale"), st.sampled_from([0.0, 0.5, 1.5])),
     st.tuples(st.just("unload"), st.none()),
     st.tuples(st.just("cast"), st.sampled_from([torch.float8_e4m3fn, torch.bfloat16])),
     st.tuples(st.just("uncast"), st.none()),
@@ -193,9 +239,7 @@ def apply(unet, op, state):
 
 
 def expected_refusal(unet):
-    """The oracle, from diffusers' public state: what is loaded now."""
-    if n_adapters(unet):
-        return IP_ADAPTER
+    """The oracle, from diffusers' public state: what is loaded now (IP-Adapter runs)."""
     if any("_diffusers_hook" in m.__dict__ for m in unet.modules()):
         return CASTING
     return None

@@ -100,7 +100,8 @@ fn set_class(x: &Bound<'_, PyAny>, cls: &Bound<'_, PyAny>) -> PyResult<()> {
 fn check_tangent(py: Python<'_>, x: &Bound<'_, PyAny>) -> Result<()> {
     static FORWARD_AD: GILOnceCell<PyObject> = GILOnceCell::new();
     let dual = || -> PyResult<bool> {
-        let fwad = FORWARD_AD.get_or_try_init(py, || py.import("torch.autograd.forward_ad").map(|m| m.into_any().unbind()))?;
+        let fwad =
+            FORWARD_AD.get_or_try_init(py, || py.import("torch.autograd.forward_ad").map(|m| m.into_any().unbind()))?;
         let fwad = fwad.bind(py);
         if fwad.getattr(pyo3::intern!(py, "_current_level"))?.extract::<i64>()? < 0 {
             return Ok(false);

@@ -48,6 +48,7 @@ from torch import nn
 
 from ..model import blocks
 from .config import BlockConfig, rust_keys
+from .ip_adapter import IP_ADAPTER_PROCESSORS, read_ip_adapter
 from .lora import base_of, is_lora, read_lora
 from .probe import PROBE_BOUND, can_probe, probe
 from .watch import Watch, class_name, global_hook_kinds
@@ -67,7 +68,7 @@ SUPPORTED_PROCESSORS = ("AttnProcessor2_0", "AttnProcessor", "SlicedAttnProcesso
 
 #: The refused processors SD users load, by class-name prefix: the feature they implement (named in the refusal).
 _PROCESSOR_KINDS = {
-    "IPAdapter": "IP-Adapter: a decoupled cross-attention on the image embeddings, to_k_ip/to_v_ip per adapter",
+    "IPAdapterX": "IP-Adapter with xformers: use IPAdapterAttnProcessor2_0 (set_attn_processor)",
     "CustomDiffusion": "Custom Diffusion: key/value projections of its own (to_k_custom_diffusion, ...)",
 }
 
@@ -163,6 +164,7 @@ class _Reader:
         self.accounted: set = set()
         self.skip_dropouts: set = set()
         self.lora: List[Tuple[str, int, float, bool]] = []
+        self.ip_adapter: List[float] = []  # attn2's IP-Adapter scales (twin/ip_adapter.py; BlockConfig.ip_adapter)
         self.called: List[Any] = []  # what the forward calls besides modules (diffusers' processors)
 
     def no(self, reason: str) -> None:
@@ -304,7 +306,7 @@ class _Reader:
     def result(self, spec: Optional[BlockConfig], unknown: Tuple[str, ...] = ()) -> Reading:
         slots, paths = [], []
         if spec is not None:
-            spec = spec._replace(lora=tuple(self.lora))
+            spec = spec._replace(lora=tuple(self.lora), ip_adapter=tuple(self.ip_adapter))
         if spec is not None and not self.reasons:
             for key in spec.keys:
                 owner, name, path = self.slots[key]
@@ -568,7 +570,9 @@ def _diffusers_attention(r: _Reader, attn: Any, name: str, processor_mod) -> Non
         w.state(processor)
     r.called.append(processor)
     supported = tuple(getattr(processor_mod, n) for n in SUPPORTED_PROCESSORS)
-    if type(processor) not in supported:
+    if type(processor) in tuple(getattr(processor_mod, n) for n in IP_ADAPTER_PROCESSORS):
+        read_ip_adapter(r, processor, name)
+    elif type(processor) not in supported:
         kind = next((v for k, v in _PROCESSOR_KINDS.items() if type(processor).__name__.startswith(k)), None)
         r.no(
             f"{name} uses attention processor {class_name(processor)}"
