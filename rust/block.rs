@@ -206,12 +206,11 @@ impl CrossAttention {
             ));
         }
         let (q, mut out) = self.attend(x, context, mask)?;
-        let (b, h) = (q.size()[0], self.heads);
+        let (b, h, _, d) = q.size4()?;
         for (ip, image) in self.ip_adapter.iter().zip(images) {
             if ip.scale == 0.0 {
                 continue; // diffusers skips it
             }
-            let d = q.size()[3];
             let split = |t: &Tensor| -> Result<Tensor> { Ok(t.f_reshape([b, -1, h, d])?.f_transpose(1, 2)?) };
             let (k, v) = (split(&ip.to_k.forward(image)?)?, split(&ip.to_v.forward(image)?)?);
             let image_out =

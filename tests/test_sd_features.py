@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import randomize_
+from conftest import randomize_, rel_err
 from plusequals import RustTransformerBlock, UnsupportedBlockError, swap_transformer_blocks
 from plusequals.audit.cases import TINY_UNET
 
@@ -165,6 +165,23 @@ def test_ip_adapter_runs_in_rust_bitwise_forward_and_backward(after_the_swap):
     for u in (unet, reference):
         Pipe(u).unload_ip_adapter()
     assert torch.equal(run(unet), run(reference))
+
+
+def test_ip_adapter_without_sdpa_is_within_the_bound():
+    """diffusers' IPAdapterAttnProcessor (baddbmm and softmax, as AttnProcessor) on the same weights:
+    ||a - b|| / ||b|| <= 1e-5 against the Rust block's SDPA, as for AttnProcessor."""
+    from diffusers.models.attention_processor import IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0
+
+    unet, reference = make_unet(), make_unet()
+    for u in (unet, reference):
+        load_ip_adapters(u, [3, 4])
+        for name, proc in u.attn_processors.items():
+            if isinstance(proc, IPAdapterAttnProcessor2_0):
+                slow = IPAdapterAttnProcessor(proc.hidden_size, proc.cross_attention_dim, proc.num_tokens, [0.5, 1.0])
+                slow.load_state_dict(proc.state_dict())
+                u.get_submodule(name.rsplit(".", 1)[0]).set_processor(slow)
+    swap_transformer_blocks(unet)
+    assert rel_err(run(unet), run(reference)) <= 1e-5
 
 
 def test_ip_adapter_where_the_rust_block_cannot_run_it_is_refused_naming_it():
