@@ -11,6 +11,7 @@ use tch::{Kind, Tensor};
 use crate::error::{Error, Failure, Result};
 use crate::facts::{autocast_produces, dense_size, device, device_name, versions, Recorded};
 use crate::failpoint::{self, Step};
+pub use crate::linear::{Linear, Lora, LoraSpec};
 use crate::masks::{add_mask, check_mask, per_head, Masks};
 use crate::ownership::{check_exclusive, check_owned_by, Caller, NoGrad};
 use crate::weights::Weights;
@@ -51,66 +52,12 @@ pub struct BlockConfig {
     pub ip_adapter: Vec<f64>,
 }
 
-/// One LoRA term of a linear layer (PEFT's `lora.Linear`, one active adapter): its weights are
-/// `{linear}.lora.{i}.A.weight` (rank x in), `{linear}.lora.{i}.B.weight` (out x rank) and, with
-/// `bias`, `{linear}.lora.{i}.B.bias`, where `i` is its index in [`BlockConfig::lora`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct LoraSpec {
-    /// The linear layer's CompVis key ("attn1.to_q", "ff.net.2", ...).
-    pub linear: String,
-    pub rank: i64,
-    pub scaling: f64,
-    pub bias: bool,
-}
-
 impl BlockConfig {
     /// `n_heads * d_head`, the attention's inner width (an error if it overflows).
     pub fn inner_dim(&self) -> Result<i64> {
         self.n_heads
             .checked_mul(self.d_head)
             .ok_or_else(|| Error::config(format!("n_heads * d_head overflows: {} * {}", self.n_heads, self.d_head)))
-    }
-}
-
-/// `nn.Linear`: `x @ weight.T + bias`, plus PEFT's LoRA terms when it carries adapters.
-pub struct Linear {
-    pub weight: Tensor,
-    pub bias: Option<Tensor>,
-    pub lora: Vec<Lora>,
-}
-
-/// One LoRA term ([`LoraSpec`]): `lora_B(lora_A(x)) * scaling`, on PEFT's own tensors.
-pub struct Lora {
-    /// `{linear}.lora.{i}`: its weights' keys are this and `.A.weight`, `.B.weight`, `.B.bias`.
-    pub key: String,
-    pub a: Tensor,
-    pub b: Tensor,
-    pub b_bias: Option<Tensor>,
-    pub scaling: f64,
-}
-
-impl Linear {
-    fn load(w: &mut Weights, prefix: &str, (d_in, d_out): (i64, i64), bias: bool, lora: &[LoraSpec]) -> Result<Self> {
-        let weight = w.take(prefix, "weight", &[d_out, d_in])?;
-        let bias = if bias { Some(w.take(prefix, "bias", &[d_out])?) } else { None };
-        let mut terms = Vec::new();
-        for (i, spec) in lora.iter().enumerate().filter(|(_, s)| s.linear == prefix) {
-            let a = w.take(prefix, &format!("lora.{i}.A.weight"), &[spec.rank, d_in])?;
-            let b = w.take(prefix, &format!("lora.{i}.B.weight"), &[d_out, spec.rank])?;
-            let b_bias = if spec.bias { Some(w.take(prefix, &format!("lora.{i}.B.bias"), &[d_out])?) } else { None };
-            terms.push(Lora { key: format!("{prefix}.lora.{i}"), a, b, b_bias, scaling: spec.scaling });
-        }
-        Ok(Linear { weight, bias, lora: terms })
-    }
-
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut result = x.f_linear(&self.weight, self.bias.as_ref())?;
-        for t in &self.lora {
-            // PEFT's lora.Linear: result = result + lora_B(lora_A(dropout(x))) * scaling (dropout: identity)
-            let lora_b = x.f_linear(&t.a, None::<&Tensor>)?.f_linear(&t.b, t.b_bias.as_ref())?;
-            result = result.f_add(&lora_b.f_mul_scalar(t.scaling)?)?;
-        }
-        Ok(result)
     }
 }
 
@@ -239,6 +186,9 @@ impl CrossAttention {
 
     /// [`forward`](Self::forward) with an attention mask ([`crate::masks`]).
     pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, mask: Option<&Tensor>) -> Result<Tensor> {
+        if self.attention == Attention::Sdpa {
+            return self.to_out.forward(&self.attend(x, context, mask)?.1);
+        }
         let h = self.heads;
         let q = self.to_q.forward(x)?;
         let context = context.unwrap_or(x);
@@ -247,34 +197,20 @@ impl CrossAttention {
         let (b, n, inner) = q.size3()?;
         let d = inner / h;
         let mask = mask.map(|m| per_head(m, b, h)).transpose()?;
-        let out = match self.attention {
-            Attention::Einsum => {
-                // 'b n (h d) -> (b h) n d'
-                let split = |t: &Tensor| -> Result<Tensor> {
-                    Ok(t.f_reshape([b, -1, h, d])?.f_permute([0, 2, 1, 3])?.f_reshape([b * h, -1, d])?)
-                };
-                let (q, k, v) = (split(&q)?, split(&k)?, split(&v)?);
-                let mut sim =
-                    Tensor::f_einsum("b i d, b j d -> b i j", &[&q, &k], None::<&[i64]>)?.f_mul_scalar(self.scale)?;
-                if let Some(mask) = &mask {
-                    // '(b h) 1|i j' against sim's '(b h) i j'
-                    sim = add_mask(&sim, &mask.f_flatten(0, 1)?)?;
-                }
-                let attn = sim.f_softmax(-1, None::<Kind>)?;
-                let out = Tensor::f_einsum("b i j, b j d -> b i d", &[&attn, &v], None::<&[i64]>)?;
-                // '(b h) n d -> b n (h d)'
-                out.f_reshape([b, h, n, d])?.f_permute([0, 2, 1, 3])?.f_reshape([b, n, h * d])?
-            }
-            Attention::Sdpa => {
-                // 'b n (h d) -> b h n d'
-                let split = |t: &Tensor| -> Result<Tensor> { Ok(t.f_reshape([b, -1, h, d])?.f_transpose(1, 2)?) };
-                let (q, k, v) = (split(&q)?, split(&k)?, split(&v)?);
-                let out =
-                    Tensor::f_scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), 0.0, false, self.scale, false)?;
-                out.f_transpose(1, 2)?.f_reshape([b, n, h * d])?
-            }
+        // The einsum path. 'b n (h d) -> (b h) n d'
+        let split = |t: &Tensor| -> Result<Tensor> {
+            Ok(t.f_reshape([b, -1, h, d])?.f_permute([0, 2, 1, 3])?.f_reshape([b * h, -1, d])?)
         };
-        self.to_out.forward(&out)
+        let (q, k, v) = (split(&q)?, split(&k)?, split(&v)?);
+        let mut sim = Tensor::f_einsum("b i d, b j d -> b i j", &[&q, &k], None::<&[i64]>)?.f_mul_scalar(self.scale)?;
+        if let Some(mask) = &mask {
+            // '(b h) 1|i j' against sim's '(b h) i j'
+            sim = add_mask(&sim, &mask.f_flatten(0, 1)?)?;
+        }
+        let attn = sim.f_softmax(-1, None::<Kind>)?;
+        let out = Tensor::f_einsum("b i j, b j d -> b i d", &[&attn, &v], None::<&[i64]>)?;
+        // '(b h) n d -> b n (h d)'
+        self.to_out.forward(&out.f_reshape([b, h, n, d])?.f_permute([0, 2, 1, 3])?.f_reshape([b, n, h * d])?)
     }
 }
 
