@@ -11,6 +11,7 @@ use tch::{Kind, Tensor};
 use crate::error::{Error, Failure, Result};
 use crate::facts::{autocast_produces, dense_size, device, device_name, versions, Recorded};
 use crate::failpoint::{self, Step};
+pub use crate::linear::{Linear, Lora, LoraSpec};
 use crate::masks::{add_mask, check_mask, per_head, Masks};
 use crate::ownership::{check_exclusive, check_owned_by, Caller, NoGrad};
 use crate::weights::Weights;
@@ -46,18 +47,9 @@ pub struct BlockConfig {
     pub attention: Attention,
     /// The PEFT LoRA terms on the linear layers, in the order they are added.
     pub lora: Vec<LoraSpec>,
-}
-
-/// One LoRA term of a linear layer (PEFT's `lora.Linear`, one active adapter): its weights are
-/// `{linear}.lora.{i}.A.weight` (rank x in), `{linear}.lora.{i}.B.weight` (out x rank) and, with
-/// `bias`, `{linear}.lora.{i}.B.bias`, where `i` is its index in [`BlockConfig::lora`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct LoraSpec {
-    /// The linear layer's CompVis key ("attn1.to_q", "ff.net.2", ...).
-    pub linear: String,
-    pub rank: i64,
-    pub scaling: f64,
-    pub bias: bool,
+    /// IP-Adapter on `attn2` (diffusers' `IPAdapterAttnProcessor2_0`): one scale per adapter,
+    /// whose weights are `attn2.ip.{i}.to_k.weight` and `attn2.ip.{i}.to_v.weight` (inner x context).
+    pub ip_adapter: Vec<f64>,
 }
 
 impl BlockConfig {
@@ -66,48 +58,6 @@ impl BlockConfig {
         self.n_heads
             .checked_mul(self.d_head)
             .ok_or_else(|| Error::config(format!("n_heads * d_head overflows: {} * {}", self.n_heads, self.d_head)))
-    }
-}
-
-/// `nn.Linear`: `x @ weight.T + bias`, plus PEFT's LoRA terms when it carries adapters.
-pub struct Linear {
-    pub weight: Tensor,
-    pub bias: Option<Tensor>,
-    pub lora: Vec<Lora>,
-}
-
-/// One LoRA term ([`LoraSpec`]): `lora_B(lora_A(x)) * scaling`, on PEFT's own tensors.
-pub struct Lora {
-    /// `{linear}.lora.{i}`: its weights' keys are this and `.A.weight`, `.B.weight`, `.B.bias`.
-    pub key: String,
-    pub a: Tensor,
-    pub b: Tensor,
-    pub b_bias: Option<Tensor>,
-    pub scaling: f64,
-}
-
-impl Linear {
-    fn load(w: &mut Weights, prefix: &str, (d_in, d_out): (i64, i64), bias: bool, lora: &[LoraSpec]) -> Result<Self> {
-        let weight = w.take(prefix, "weight", &[d_out, d_in])?;
-        let bias = if bias { Some(w.take(prefix, "bias", &[d_out])?) } else { None };
-        let mut terms = Vec::new();
-        for (i, spec) in lora.iter().enumerate().filter(|(_, s)| s.linear == prefix) {
-            let a = w.take(prefix, &format!("lora.{i}.A.weight"), &[spec.rank, d_in])?;
-            let b = w.take(prefix, &format!("lora.{i}.B.weight"), &[d_out, spec.rank])?;
-            let b_bias = if spec.bias { Some(w.take(prefix, &format!("lora.{i}.B.bias"), &[d_out])?) } else { None };
-            terms.push(Lora { key: format!("{prefix}.lora.{i}"), a, b, b_bias, scaling: spec.scaling });
-        }
-        Ok(Linear { weight, bias, lora: terms })
-    }
-
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut result = x.f_linear(&self.weight, self.bias.as_ref())?;
-        for t in &self.lora {
-            // PEFT's lora.Linear: result = result + lora_B(lora_A(dropout(x))) * scaling (dropout: identity)
-            let lora_b = x.f_linear(&t.a, None::<&Tensor>)?.f_linear(&t.b, t.b_bias.as_ref())?;
-            result = result.f_add(&lora_b.f_mul_scalar(t.scaling)?)?;
-        }
-        Ok(result)
     }
 }
 
@@ -137,6 +87,16 @@ pub struct CrossAttention {
     pub scale: f64,
     pub heads: i64,
     pub attention: Attention,
+    /// IP-Adapter's decoupled cross-attentions (`attn2` only), in diffusers' adapter order.
+    pub ip_adapter: Vec<IpAdapter>,
+}
+
+/// One IP-Adapter of diffusers' `IPAdapterAttnProcessor2_0`: `to_k_ip[i]`, `to_v_ip[i]` (bias-free)
+/// and `scale[i]`; it adds `scale * sdpa(q, to_k_ip(image), to_v_ip(image))` to the attention.
+pub struct IpAdapter {
+    pub to_k: Linear,
+    pub to_v: Linear,
+    pub scale: f64,
 }
 
 impl CrossAttention {
@@ -150,15 +110,66 @@ impl CrossAttention {
             scale: (cfg.d_head as f64).powf(-0.5),
             heads: cfg.n_heads,
             attention: cfg.attention,
+            ip_adapter: Self::load_ip_adapter(w, prefix, context_dim, cfg)?,
         })
+    }
+
+    fn load_ip_adapter(w: &mut Weights, prefix: &str, context_dim: i64, cfg: &BlockConfig) -> Result<Vec<IpAdapter>> {
+        if prefix != "attn2" || cfg.ip_adapter.is_empty() {
+            return Ok(Vec::new());
+        }
+        if cfg.attention != Attention::Sdpa {
+            return Err(Error::config("IP-Adapter needs attention='sdpa' (diffusers' processor calls SDPA)".into()));
+        }
+        let shape = (context_dim, cfg.inner_dim()?);
+        let mut adapters = Vec::new();
+        for (i, &scale) in cfg.ip_adapter.iter().enumerate() {
+            let to_k = Linear::load(w, &format!("{prefix}.ip.{i}.to_k"), shape, false, &[])?;
+            let to_v = Linear::load(w, &format!("{prefix}.ip.{i}.to_v"), shape, false, &[])?;
+            adapters.push(IpAdapter { to_k, to_v, scale });
+        }
+        Ok(adapters)
     }
 
     pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
         self.forward_masked(x, context, None)
     }
 
-    /// [`forward`](Self::forward) with an attention mask ([`crate::masks`]).
-    pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, mask: Option<&Tensor>) -> Result<Tensor> {
+    /// [`forward_masked`](Self::forward_masked) plus IP-Adapter's decoupled cross-attention on
+    /// `images` (one embedding per adapter), as diffusers' `IPAdapterAttnProcessor2_0` computes it:
+    /// the text attention, then `+ scale * sdpa(q, to_k_ip(image), to_v_ip(image))` per adapter
+    /// whose scale is not 0, then `to_out`.
+    pub fn forward_ip(
+        &self,
+        x: &Tensor,
+        context: Option<&Tensor>,
+        mask: Option<&Tensor>,
+        images: &[Tensor],
+    ) -> Result<Tensor> {
+        if images.len() != self.ip_adapter.len() {
+            return Err(Error::input(
+                "encoder_hidden_states",
+                format!("carries {} image embeddings for {} IP-Adapters", images.len(), self.ip_adapter.len()),
+            ));
+        }
+        let (q, mut out) = self.attend(x, context, mask)?;
+        let (b, h, _, d) = q.size4()?;
+        for (ip, image) in self.ip_adapter.iter().zip(images) {
+            if ip.scale == 0.0 {
+                continue; // diffusers skips it
+            }
+            let split = |t: &Tensor| -> Result<Tensor> { Ok(t.f_reshape([b, -1, h, d])?.f_transpose(1, 2)?) };
+            let (k, v) = (split(&ip.to_k.forward(image)?)?, split(&ip.to_v.forward(image)?)?);
+            let image_out =
+                Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, false, None, false)?;
+            let image_out = image_out.f_transpose(1, 2)?.f_reshape([b, -1, h * d])?;
+            out = out.f_add(&image_out.f_mul_scalar(ip.scale)?)?;
+        }
+        self.to_out.forward(&out)
+    }
+
+    /// The text attention of the SDPA path before `to_out`: (q split per head, the attention).
+    fn attend(&self, x: &Tensor, context: Option<&Tensor>, mask: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
         let h = self.heads;
         let q = self.to_q.forward(x)?;
         let context = context.unwrap_or(x);
@@ -167,34 +178,39 @@ impl CrossAttention {
         let (b, n, inner) = q.size3()?;
         let d = inner / h;
         let mask = mask.map(|m| per_head(m, b, h)).transpose()?;
-        let out = match self.attention {
-            Attention::Einsum => {
-                // 'b n (h d) -> (b h) n d'
-                let split = |t: &Tensor| -> Result<Tensor> {
-                    Ok(t.f_reshape([b, -1, h, d])?.f_permute([0, 2, 1, 3])?.f_reshape([b * h, -1, d])?)
-                };
-                let (q, k, v) = (split(&q)?, split(&k)?, split(&v)?);
-                let mut sim =
-                    Tensor::f_einsum("b i d, b j d -> b i j", &[&q, &k], None::<&[i64]>)?.f_mul_scalar(self.scale)?;
-                if let Some(mask) = &mask {
-                    // '(b h) 1|i j' against sim's '(b h) i j'
-                    sim = add_mask(&sim, &mask.f_flatten(0, 1)?)?;
-                }
-                let attn = sim.f_softmax(-1, None::<Kind>)?;
-                let out = Tensor::f_einsum("b i j, b j d -> b i d", &[&attn, &v], None::<&[i64]>)?;
-                // '(b h) n d -> b n (h d)'
-                out.f_reshape([b, h, n, d])?.f_permute([0, 2, 1, 3])?.f_reshape([b, n, h * d])?
-            }
-            Attention::Sdpa => {
-                // 'b n (h d) -> b h n d'
-                let split = |t: &Tensor| -> Result<Tensor> { Ok(t.f_reshape([b, -1, h, d])?.f_transpose(1, 2)?) };
-                let (q, k, v) = (split(&q)?, split(&k)?, split(&v)?);
-                let out =
-                    Tensor::f_scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), 0.0, false, self.scale, false)?;
-                out.f_transpose(1, 2)?.f_reshape([b, n, h * d])?
-            }
+        let split = |t: &Tensor| -> Result<Tensor> { Ok(t.f_reshape([b, -1, h, d])?.f_transpose(1, 2)?) };
+        let (q, k, v) = (split(&q)?, split(&k)?, split(&v)?);
+        let out = Tensor::f_scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), 0.0, false, self.scale, false)?;
+        Ok((q, out.f_transpose(1, 2)?.f_reshape([b, n, h * d])?))
+    }
+
+    /// [`forward`](Self::forward) with an attention mask ([`crate::masks`]).
+    pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, mask: Option<&Tensor>) -> Result<Tensor> {
+        if self.attention == Attention::Sdpa {
+            return self.to_out.forward(&self.attend(x, context, mask)?.1);
+        }
+        let h = self.heads;
+        let q = self.to_q.forward(x)?;
+        let context = context.unwrap_or(x);
+        let k = self.to_k.forward(context)?;
+        let v = self.to_v.forward(context)?;
+        let (b, n, inner) = q.size3()?;
+        let d = inner / h;
+        let mask = mask.map(|m| per_head(m, b, h)).transpose()?;
+        // The einsum path. 'b n (h d) -> (b h) n d'
+        let split = |t: &Tensor| -> Result<Tensor> {
+            Ok(t.f_reshape([b, -1, h, d])?.f_permute([0, 2, 1, 3])?.f_reshape([b * h, -1, d])?)
         };
-        self.to_out.forward(&out)
+        let (q, k, v) = (split(&q)?, split(&k)?, split(&v)?);
+        let mut sim = Tensor::f_einsum("b i d, b j d -> b i j", &[&q, &k], None::<&[i64]>)?.f_mul_scalar(self.scale)?;
+        if let Some(mask) = &mask {
+            // '(b h) 1|i j' against sim's '(b h) i j'
+            sim = add_mask(&sim, &mask.f_flatten(0, 1)?)?;
+        }
+        let attn = sim.f_softmax(-1, None::<Kind>)?;
+        let out = Tensor::f_einsum("b i j, b j d -> b i d", &[&attn, &v], None::<&[i64]>)?;
+        // '(b h) n d -> b n (h d)'
+        self.to_out.forward(&out.f_reshape([b, h, n, d])?.f_permute([0, 2, 1, 3])?.f_reshape([b, n, h * d])?)
     }
 }
 
@@ -320,9 +336,17 @@ impl BasicTransformerBlock {
         self.check_inputs(x, context)?;
         self.check_masks(x, context, masks)?;
         let x = self.attn1.forward_masked(&self.norm1.forward(x)?, None, masks.attn1)?.f_add(x)?;
-        let x = self.attn2.forward_masked(&self.norm2.forward(&x)?, context, masks.attn2)?.f_add(&x)?;
+        let x = self.attn2_forward(&self.norm2.forward(&x)?, context, masks)?.f_add(&x)?;
         let x = self.ff.forward(&self.norm3.forward(&x)?)?.f_add(&x)?;
         Ok(x)
+    }
+
+    /// `attn2`: the cross-attention, with IP-Adapter's when the block carries adapters.
+    fn attn2_forward(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<Tensor> {
+        if self.attn2.ip_adapter.is_empty() && masks.ip_adapter.is_empty() {
+            return self.attn2.forward_masked(x, context, masks.attn2);
+        }
+        self.attn2.forward_ip(x, context, masks.attn2, masks.ip_adapter)
     }
 
     /// `iadd` made safe: the caller gave `x` up (it is moved in), and the `&NoGrad` proof
@@ -365,7 +389,7 @@ impl BasicTransformerBlock {
         }
         let mut rest = || -> Result<()> {
             failpoint::check(Step::AfterFirstWrite)?;
-            let h = self.attn2.forward_masked(&self.norm2.forward(&x)?, context, masks.attn2)?;
+            let h = self.attn2_forward(&self.norm2.forward(&x)?, context, masks)?;
             add_into(&mut x, &h, caller)?;
             let h = self.ff.forward(&self.norm3.forward(&x)?)?;
             add_into(&mut x, &h, caller)?;
@@ -394,6 +418,9 @@ impl BasicTransformerBlock {
         for t in self.lora_terms() {
             w.extend([&t.a, &t.b]);
             w.extend(t.b_bias.as_ref());
+        }
+        for ip in &self.attn2.ip_adapter {
+            w.extend([&ip.to_k.weight, &ip.to_v.weight]);
         }
         w
     }

@@ -120,6 +120,11 @@ impl CppBlock {
                 term.linear
             )));
         }
+        if !cfg.ip_adapter.is_empty() {
+            return Err(Error::config(
+                "the C++ twin computes no IP-Adapter (attn2 carries one): use the Rust block (RustBlock)".into(),
+            ));
+        }
         let keys: Vec<CString> = weights
             .iter()
             .map(|(k, _)| CString::new(k.as_str()).map_err(|_| Error::config(format!("key {k:?} holds a NUL"))))

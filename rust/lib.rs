@@ -11,6 +11,7 @@ pub mod block;
 pub mod cpp;
 pub mod error;
 pub mod facts;
+pub mod linear;
 pub mod masks;
 pub mod ownership;
 pub mod weights;

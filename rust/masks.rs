@@ -21,11 +21,15 @@ use crate::facts::{dense_size, device, device_name};
 pub struct Masks<'a> {
     pub attn1: Option<&'a Tensor>,
     pub attn2: Option<&'a Tensor>,
+    /// Not a mask, but the call's other extra input, threaded the same way: IP-Adapter's image
+    /// embeddings (diffusers' `encoder_hidden_states[1]`), one per adapter of `attn2`
+    /// ([`crate::block::IpAdapter`]); empty without IP-Adapter.
+    pub ip_adapter: &'a [Tensor],
 }
 
 impl Masks<'_> {
     /// No mask: what `forward(x, context)` passes.
-    pub const NONE: Masks<'static> = Masks { attn1: None, attn2: None };
+    pub const NONE: Masks<'static> = Masks { attn1: None, attn2: None, ip_adapter: &[] };
 }
 
 /// diffusers' `prepare_attention_mask` (repeated per head over the batch) and the view before

@@ -14,7 +14,16 @@ use crate::error::Result;
 
 /// A 32-wide block, 4 heads x 8, cross-attention on width-24 context, SDPA.
 pub fn small_config(attention: Attention) -> BlockConfig {
-    BlockConfig { dim: 32, n_heads: 4, d_head: 8, context_dim: Some(24), gated_ff: true, attention, lora: Vec::new() }
+    BlockConfig {
+        dim: 32,
+        n_heads: 4,
+        d_head: 8,
+        context_dim: Some(24),
+        gated_ff: true,
+        attention,
+        lora: Vec::new(),
+        ip_adapter: Vec::new(),
+    }
 }
 
 /// Standard normal samples from a SplitMix64 stream (Box-Muller), owned by the caller.

@@ -29,10 +29,11 @@ fn masks_follow_diffusers_semantics_in_both_attention_paths() -> plusequals::Res
     for attention in [Attention::Sdpa, Attention::Einsum] {
         let b = block(attention);
         let plain = b.forward(&x, Some(&c))?;
-        let zeroed = b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&zero) })?;
+        let zeroed = b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&zero), ..Masks::NONE })?;
         assert!(rel_err(&zeroed, &plain) <= 1e-6, "a zero bias changes nothing");
-        let by_bool = b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&keep) })?;
-        let by_bias = b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&bias.unsqueeze(1)) })?;
+        let by_bool = b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&keep), ..Masks::NONE })?;
+        let by_bias =
+            b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&bias.unsqueeze(1)), ..Masks::NONE })?;
         assert!(rel_err(&by_bool, &plain) > 1e-3, "hiding keys changes the output");
         assert!(rel_err(&by_bool, &by_bias) <= 1e-5, "-10000 and a boolean mask hide the same keys");
         outs.push(by_bool);
@@ -50,7 +51,7 @@ fn the_cpp_twin_computes_the_same_masked_block() -> plusequals::Result<()> {
         let mut w: Vec<(String, Tensor)> = small_weights(0)?.into_iter().collect();
         w.sort_by(|a, b| a.0.cmp(&b.0));
         let cpp = CppBlock::from_weights(&w, &cfg)?;
-        let masks = Masks { attn1: Some(&mask), attn2: None };
+        let masks = Masks { attn1: Some(&mask), attn2: None, ..Masks::NONE };
         let rust = block(attention).forward_masked(&x, Some(&c), masks)?;
         assert!(cpp.forward_masked(&x, Some(&c), masks)?.equal(&rust), "the same ops in the same order");
     }
@@ -68,8 +69,11 @@ fn bad_masks_are_errors_naming_the_argument() -> plusequals::Result<()> {
         (f(&[2, 7], Kind::Int64), false, "encoder_attention_mask dtype Int64 is neither bool nor floating point"),
     ];
     for (mask, first, want) in cases {
-        let masks =
-            if first { Masks { attn1: Some(&mask), attn2: None } } else { Masks { attn1: None, attn2: Some(&mask) } };
+        let masks = if first {
+            Masks { attn1: Some(&mask), attn2: None, ..Masks::NONE }
+        } else {
+            Masks { attn1: None, attn2: Some(&mask), ..Masks::NONE }
+        };
         let err = b.forward_masked(&x, Some(&c), masks).expect_err(want);
         assert!(matches!(err, Error::Input { .. }) && err.to_string().contains(want), "{err} should say {want:?}");
     }
@@ -124,5 +128,48 @@ fn lora_weights_are_taken_by_key_and_the_cpp_twin_refuses_them() -> plusequals::
     let w: Vec<(String, Tensor)> = small_weights(0)?.into_iter().collect();
     let err = CppBlock::from_weights(&w, &cfg).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("the C++ twin computes no LoRA terms"), "{err}");
+    Ok(())
+}
+
+/// Issue 34: IP-Adapter on attn2 (`BlockConfig::ip_adapter`, `Masks::ip_adapter`): an adapter at
+/// scale 0 is skipped (the plain block's output, bitwise), one at a non-zero scale changes the
+/// output, the image count must match, the weights are taken by key, and the C++ twin refuses it.
+#[test]
+fn ip_adapter_terms_scales_and_refusals() -> plusequals::Result<()> {
+    let mut n = Normal::new(34);
+    let mut w = small_weights(0)?;
+    for i in 0..2 {
+        for part in ["to_k", "to_v"] {
+            w.insert(format!("attn2.ip.{i}.{part}.weight"), n.tensor(&[32, 24], 0.3)?);
+        }
+    }
+    let (x, c) = small_inputs()?;
+    let images = [n.tensor(&[2, 1, 4, 24], 1.0)?, n.tensor(&[2, 1, 4, 24], 1.0)?];
+    let with = |scales: Vec<f64>| -> plusequals::Result<Tensor> {
+        let cfg = BlockConfig { ip_adapter: scales, ..small_config(Attention::Sdpa) };
+        let w = w.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect();
+        BasicTransformerBlock::from_weights(w, &cfg)?.forward_masked(
+            &x,
+            Some(&c),
+            Masks { ip_adapter: &images, ..Masks::NONE },
+        )
+    };
+    let plain = block(Attention::Sdpa).forward(&x, Some(&c))?;
+    assert!(with(vec![0.0, 0.0])?.equal(&plain), "scale 0: the adapter is skipped");
+    let one = with(vec![0.5, 0.0])?;
+    assert!(rel_err(&one, &plain) > 1e-3, "the adapter changes the output");
+    assert!(rel_err(&with(vec![0.5, 1.0])?, &one) > 1e-3, "so does the second");
+    let cfg = BlockConfig { ip_adapter: vec![1.0, 1.0], ..small_config(Attention::Sdpa) };
+    let b = BasicTransformerBlock::from_weights(w.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect(), &cfg)?;
+    let err = b.forward_masked(&x, Some(&c), Masks { ip_adapter: &images[..1], ..Masks::NONE }).err();
+    assert!(matches!(err, Some(Error::Input { .. })), "{err:?}");
+    let cfg = BlockConfig { ip_adapter: vec![1.0, 1.0, 1.0], ..small_config(Attention::Sdpa) };
+    let err =
+        BasicTransformerBlock::from_weights(w.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect(), &cfg)
+            .err();
+    assert!(matches!(err, Some(Error::MissingWeight(ref k)) if k == "attn2.ip.2.to_k.weight"), "{err:?}");
+    let cfg = BlockConfig { ip_adapter: vec![1.0, 1.0], ..small_config(Attention::Sdpa) };
+    let w: Vec<(String, Tensor)> = w.into_iter().collect();
+    assert!(CppBlock::from_weights(&w, &cfg).is_err_and(|e| e.to_string().contains("no IP-Adapter")));
     Ok(())
 }

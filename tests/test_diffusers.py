@@ -216,10 +216,11 @@ def _attention_bias(diffusers, unet):
     plant_block(diffusers, unet, attention_bias=True)
 
 
-def _ip_adapter_processor(diffusers, unet):
+def _ip_adapter_scales(diffusers, unet):
     from diffusers.models.attention_processor import IPAdapterAttnProcessor2_0
 
-    unet.get_submodule(REPLACED).attn2.set_processor(IPAdapterAttnProcessor2_0(32, cross_attention_dim=32))
+    processor = IPAdapterAttnProcessor2_0(32, cross_attention_dim=32, scale=[[0.5, 1.0]])  # per-image scales
+    unet.get_submodule(REPLACED).attn2.set_processor(processor)
 
 
 def _custom_diffusion_processor(diffusers, unet):
@@ -251,12 +252,9 @@ REFUSED = {
     "swiglu_ff": (_swiglu_ff, "ff.net.0 is diffusers.models.activations.SwiGLU"),
     "dropout": (_dropout, "dropout p=0.1"),
     "attention_bias": (_attention_bias, "attn1.to_q has a bias"),
-    # IP-Adapter and Custom Diffusion stay refused (README): their processors add key/value
-    # projections of their own, which the Rust block does not have.
-    "ip_adapter_processor": (
-        _ip_adapter_processor,
-        "attn2 uses attention processor diffusers.models.attention_processor.IPAdapterAttnProcessor2_0",
-    ),
+    # IP-Adapter runs (tests/test_sd_features.py) but not with per-image scales (ip_adapter_masks');
+    # Custom Diffusion stays refused (README): its own key/value projections.
+    "ip_adapter_per_image_scales": (_ip_adapter_scales, "attn2.processor.scale[0] is [0.5, 1.0]: per-image scales"),
     "custom_diffusion_processor": (
         _custom_diffusion_processor,
         "attn2 uses attention processor diffusers.models.attention_processor.CustomDiffusionAttnProcessor2_0",

@@ -78,6 +78,7 @@ class Block:
         attention: str = "sdpa",
         language: str = "rust",
         lora: Sequence[Tuple[str, int, float, bool]] = ...,
+        ip_adapter: Sequence[float] = ...,
     ) -> Block: ...
     def forward(
         self,
@@ -86,6 +87,7 @@ class Block:
         watch: Optional[Watch] = None,
         attention_mask: Optional[Tensor] = None,
         encoder_attention_mask: Optional[Tensor] = None,
+        ip_adapter: Sequence[Tensor] = ...,
     ) -> Tensor: ...
     def forward_owned(
         self,

@@ -13,6 +13,7 @@ use super::twins::{masks_of, SharedBlock, Twins};
 use super::watch::{check_watch, PyWatch};
 use crate::block::deep_copy;
 use crate::cpp::CppBlock;
+use crate::masks::Masks;
 use crate::ownership::Caller;
 use crate::{BasicTransformerBlock, BlockConfig, LoraSpec, NoGrad, Result};
 
@@ -27,7 +28,7 @@ pub(super) struct PyBlock {
 impl PyBlock {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (weights, *, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa", language="rust", lora=Vec::new()))]
+    #[pyo3(signature = (weights, *, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa", language="rust", lora=Vec::new(), ip_adapter=Vec::new()))]
     fn new(
         weights: HashMap<String, PyTensor>,
         dim: i64,
@@ -38,11 +39,12 @@ impl PyBlock {
         attention: &str,
         language: &str,
         lora: Vec<(String, i64, f64, bool)>,
+        ip_adapter: Vec<f64>,
     ) -> PyResult<Self> {
         let lora =
             lora.into_iter().map(|(linear, rank, scaling, bias)| LoraSpec { linear, rank, scaling, bias }).collect();
         let attention = attention.parse().map_err(to_py)?;
-        let cfg = BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention, lora };
+        let cfg = BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention, lora, ip_adapter };
         let mut weights: Vec<(String, Tensor)> = weights.into_iter().map(|(k, v)| (k, v.0)).collect();
         weights.sort_by(|a, b| a.0.cmp(&b.0));
         let cpp = match language {
@@ -56,8 +58,9 @@ impl PyBlock {
     }
 
     /// `op_plus_x` out of place; the GIL is released while libtorch computes. `watch`: see
-    /// [`PyWatch`]; the masks: see `crate::masks`.
-    #[pyo3(signature = (x, context=None, watch=None, attention_mask=None, encoder_attention_mask=None))]
+    /// [`PyWatch`]; the masks and IP-Adapter's image embeddings (`ip_adapter`): see `crate::masks`.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (x, context=None, watch=None, attention_mask=None, encoder_attention_mask=None, ip_adapter=Vec::new()))]
     pub(super) fn forward(
         &self,
         py: Python<'_>,
@@ -66,14 +69,19 @@ impl PyBlock {
         watch: Option<Bound<'_, PyWatch>>,
         attention_mask: Option<PyTensor>,
         encoder_attention_mask: Option<PyTensor>,
+        ip_adapter: Vec<PyTensor>,
     ) -> PyResult<PyTensor> {
         check_watch(py, watch.as_ref())?;
         let (x, context) = (x.0, context.map(|c| c.0));
         let masks = [attention_mask.map(|m| m.0), encoder_attention_mask.map(|m| m.0)];
+        let images: Vec<Tensor> = ip_adapter.into_iter().map(|t| t.0).collect();
         let block = &self.block;
-        py.allow_threads(move || block.get().forward(&x, context.as_ref(), masks_of(&masks)))
-            .map(PyTensor)
-            .map_err(to_py)
+        py.allow_threads(move || {
+            let masks = Masks { ip_adapter: &images, ..masks_of(&masks) };
+            block.get().forward(&x, context.as_ref(), masks)
+        })
+        .map(PyTensor)
+        .map_err(to_py)
     }
 
     /// In-place residuals with grad off. `donate=false` works on a copy of `x`;

@@ -59,7 +59,7 @@ impl PyEntry {
         }
         let context = context.map(|c| c.extract::<PyTensor>()).transpose()?;
         let watch = self.watch.as_ref().map(|w| w.bind(py).clone());
-        let y = self.block.get().forward(py, x.extract()?, context, watch, None, None)?;
+        let y = self.block.get().forward(py, x.extract()?, context, watch, None, None, Vec::new())?;
         Ok(y.into_pyobject(py)?.into_any().unbind())
     }
 

@@ -136,5 +136,5 @@ impl SharedBlock {
 /// The masks of a call, borrowed from the tensors Python passed (`attention_mask`,
 /// `encoder_attention_mask`).
 pub(super) fn masks_of(masks: &[Option<Tensor>; 2]) -> Masks<'_> {
-    Masks { attn1: masks[0].as_ref(), attn2: masks[1].as_ref() }
+    Masks { attn1: masks[0].as_ref(), attn2: masks[1].as_ref(), ip_adapter: &[] }
 }

@@ -309,6 +309,8 @@ class RustBlock(nn.Module):
                 now = getattr(obj, name, None)
                 if (now is not value) if by_identity else (now != value):
                     raise UnsupportedBlockError(f"{self._where()}: {type(obj).__name__}.{name} changed while traced")
+            if self._config is not None and self._config.ip_adapter:  # the ops take no image embeddings
+                raise UnsupportedBlockError(f"{self._where()}: a block with an IP-Adapter (attn2) cannot be traced")
             if self._lora_layers:  # merged or disabled too: a traced graph would not see them change
                 raise UnsupportedBlockError(
                     f"{self._where()}: a block with LoRA adapters ({', '.join(self._lora_layers)}) cannot be traced "

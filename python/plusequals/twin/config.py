@@ -23,15 +23,19 @@ class BlockConfig(NamedTuple):
     # rank, scaling, whether lora_B has a bias), in the order they are added. Not a custom-op
     # argument: a block with LoRA terms is refused where the custom ops would run.
     lora: Tuple[Tuple[str, int, float, bool], ...] = ()
+    # IP-Adapter on attn2 (rust/block.rs, IpAdapter): one scale per adapter. Not a custom-op
+    # argument either: refused where the custom ops would run.
+    ip_adapter: Tuple[float, ...] = ()
 
     @property
     def keys(self) -> Tuple[str, ...]:
         """The weights' CompVis keys, in the order the custom ops take them, then the LoRA terms'."""
-        return rust_keys(self.gated_ff) + lora_keys(self.lora)
+        ip = tuple(f"attn2.ip.{i}.{p}.weight" for i in range(len(self.ip_adapter)) for p in ("to_k", "to_v"))
+        return rust_keys(self.gated_ff) + lora_keys(self.lora) + ip
 
     @property
     def op_fields(self) -> tuple:
-        """The fields the custom ops take, in their order (all but ``lora``)."""
+        """The fields the custom ops take, in their order (all but ``lora`` and ``ip_adapter``)."""
         return tuple(self)[:7]
 
 

@@ -49,6 +49,7 @@ from torch import nn
 from ..model import blocks
 from .config import BlockConfig, rust_keys
 from .dispatch import tracing_tensor
+from .ip_adapter import IP_ADAPTER_PROCESSORS, read_ip_adapter
 from .lora import base_of, is_lora, read_lora
 from .probe import PROBE_BOUND, can_probe, probe
 from .reads import data_descriptor
@@ -66,6 +67,12 @@ CHILDREN = ("norm1", "attn1", "norm2", "attn2", "norm3", "ff")
 #: SlicedAttnProcessor is AttnProcessor's maths a slice of the batch at a time (the Rust block
 #: ignores the slice size: it only bounds memory).
 SUPPORTED_PROCESSORS = ("AttnProcessor2_0", "AttnProcessor", "SlicedAttnProcessor")
+
+#: The refused processors SD users load, by class-name prefix: the feature they implement (named in the refusal).
+_PROCESSOR_KINDS = {
+    "IPAdapterX": "IP-Adapter with xformers: use IPAdapterAttnProcessor2_0 (set_attn_processor)",
+    "CustomDiffusion": "Custom Diffusion: key/value projections of its own (to_k_custom_diffusion, ...)",
+}
 
 #: What ``read_block`` (and ``RustBlock.from_torch``) may be told to trust: nothing beyond the
 #: classes it knows (None), or classes it does not know, once a probe agrees ("probe").
@@ -150,6 +157,7 @@ class _Reader:
         self.accounted: set = set()
         self.skip_dropouts: set = set()
         self.lora: List[Tuple[str, int, float, bool]] = []
+        self.ip_adapter: List[float] = []  # attn2's IP-Adapter scales (twin/ip_adapter.py; BlockConfig.ip_adapter)
         self.called: List[Any] = []  # what the forward calls besides modules (diffusers' processors)
 
     def no(self, reason: str) -> None:
@@ -291,7 +299,7 @@ class _Reader:
     def result(self, spec: Optional[BlockConfig], unknown: Tuple[str, ...] = ()) -> Reading:
         slots, paths = [], []
         if spec is not None:
-            spec = spec._replace(lora=tuple(self.lora))
+            spec = spec._replace(lora=tuple(self.lora), ip_adapter=tuple(self.ip_adapter))
         if spec is not None and not self.reasons:
             for key in spec.keys:
                 owner, name, path = self.slots[key]
@@ -555,35 +563,23 @@ def _diffusers_attention(r: _Reader, attn: Any, name: str, processor_mod) -> Non
         w.state(processor)
     r.called.append(processor)
     supported = tuple(getattr(processor_mod, n) for n in SUPPORTED_PROCESSORS)
-    if type(processor) not in supported:
+    if type(processor) in tuple(getattr(processor_mod, n) for n in IP_ADAPTER_PROCESSORS):
+        read_ip_adapter(r, processor, name)
+    elif type(processor) not in supported:
+        kind = next((v for k, v in _PROCESSOR_KINDS.items() if type(processor).__name__.startswith(k)), None)
         r.no(
-            f"{name} uses attention processor {class_name(processor)}; only {', '.join(SUPPORTED_PROCESSORS)} "
-            "are supported"
+            f"{name} uses attention processor {class_name(processor)}"
+            + (f" ({kind}, which the Rust block does not compute)" if kind else "")
+            + f"; only {', '.join(SUPPORTED_PROCESSORS)} are supported"
         )
     if w.get(attn, "fused_projections"):
         r.no(f"{name} has fused QKV projections (fuse_qkv_projections)")
-    for flag in (
-        "spatial_norm",
-        "group_norm",
-        "norm_q",
-        "norm_k",
-        "norm_cross",
-        "added_kv_proj_dim",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    ):
+    none_flags = "spatial_norm group_norm norm_q norm_k norm_cross added_kv_proj_dim add_q_proj add_k_proj add_v_proj"
+    for flag in (*none_flags.split(), "to_add_out"):
         if w.get(attn, flag) is not None:
             r.no(f"{name}.{flag} is set")
-    for flag in (
-        "residual_connection",
-        "upcast_attention",
-        "upcast_softmax",
-        "only_cross_attention",
-        "is_causal",
-        "pre_only",
-    ):
+    true_flags = "residual_connection upcast_attention upcast_softmax only_cross_attention is_causal pre_only"
+    for flag in true_flags.split():
         if w.get(attn, flag, False):
             r.no(f"{name}.{flag} is True")
     factor = w.get(attn, "rescale_output_factor", 1.0)

@@ -30,14 +30,19 @@ def probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tenso
     c = torch.randn(2, 3, spec.context_dim or spec.dim, generator=g, dtype=torch.float64).to(
         weight.device, weight.dtype
     )
+    # IP-Adapter (diffusers only): one image embedding (batch, images, tokens, width) per adapter
+    images = [
+        torch.randn(2, 1, 2, c.shape[-1], generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
+        for _ in spec.ip_adapter
+    ]
     with torch.no_grad():
         try:
             # diffusers' block takes the context by keyword (its second argument is the mask)
             diffusers = type(block).__module__.startswith("diffusers.")
-            expected = block(x, encoder_hidden_states=c) if diffusers else block(x, c)
+            expected = block(x, encoder_hidden_states=(c, images) if images else c) if diffusers else block(x, c)
         except Exception as e:  # noqa: BLE001  (reported as the reason)
             return f"its forward raised {type(e).__name__} on a probe input: {e}"
-        got = rust_forward(x, c)
+        got = rust_forward(x, c, ip_adapter=images) if images else rust_forward(x, c)
     if not isinstance(expected, torch.Tensor) or expected.shape != got.shape:
         return (
             f"its forward returns {type(expected).__name__} {getattr(expected, 'shape', '')}, not a tensor of x's shape"

@@ -232,9 +232,21 @@ class Watch:
                     kinds.append(attr.strip("_"))
         if self.get(module, "_hf_hook") is not None:
             kinds.append("accelerate _hf_hook")
-        if self.in_dict(module, "forward"):
+        diffusers_hooks = self.diffusers_hooks(module)
+        kinds += [_DIFFUSERS_HOOKS.get(n, f"diffusers' {n!r} hook (a forward override)") for n in diffusers_hooks]
+        if self.in_dict(module, "forward") and not diffusers_hooks:  # a diffusers hook's is named above
             kinds.append("an instance-level forward override")
         return kinds
+
+    def diffusers_hooks(self, module: nn.Module) -> List[str]:
+        """The names of the hooks in diffusers' ``HookRegistry`` on ``module`` (``_diffusers_hook``:
+        ``enable_layerwise_casting``, group offloading, caches), which override its ``forward``."""
+        registry = self.get(module, "_diffusers_hook")
+        hooks = getattr(registry, "hooks", None)
+        if not isinstance(hooks, dict):
+            return []
+        self._sized(hooks)
+        return [str(name) for name in hooks]
 
     def seal(self) -> "Watch":
         self.lens = list(map(len, self.ldicts))
@@ -254,6 +266,16 @@ class Watch:
     def unchanged(self) -> bool:
         return self.rust.unchanged()
 
+
+# diffusers' hooks (diffusers.hooks, by registry name) that the reader names; any other one is
+# named by its registry name.
+_DIFFUSERS_HOOKS = {
+    "layerwise_casting": (
+        "diffusers' layerwise casting hook (enable_layerwise_casting: weights stored in a low-precision dtype, "
+        "cast to the compute dtype around each call)"
+    ),
+    "peft_input_autocast_disable": ("diffusers' layerwise casting hook for peft layers (enable_layerwise_casting)"),
+}
 
 # What a module's __dict__ holds besides its own state: watched on their own (Watch.module, hooks_of).
 _MODULE_STORES = frozenset(
