@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from rich.cells import cell_len
 from rich.console import Console
 
@@ -132,3 +134,53 @@ def test_summary_prints_a_finished_report_again_and_refuses_an_unfinished_one(qu
         and "interrupted" in unfinished.stderr
         and len(unfinished.stderr.strip().splitlines()) == 1
     )
+
+
+def _committed():
+    from pathlib import Path
+
+    directory = Path(__file__).resolve().parents[1] / "docs" / "report-cpu"
+    return summary.build(json.loads((directory / "results.json").read_text()), directory)
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_no_summary_line_ends_in_spaces(width):
+    """rich pads table cells to their column; the summary trims them (logs and diffs show them)."""
+    lines = _render(_committed(), width)
+    assert not [ln for ln in lines if ln != ln.rstrip()]
+
+
+def test_the_same_work_row_names_what_it_compares():
+    s = _committed()
+    same = [v for v in s["verdicts"] if v["question"] == "Same work, spelled differently"]
+    flat = " ".join(" ".join(_render(s, 80)).split())
+    names = [c["variant"] for c in same[0]["comparisons"]]
+    assert names and all(n.split("/")[-1] in flat for n in names)
+    assert summary._compared(same).startswith("eager/")
+
+
+@given(st.floats(0.001, 1000), st.floats(0.001, 1000))
+def test_a_target_shows_the_digits_that_tell_its_value_from_its_limit(value, limit):
+    """measured "1.0204" against limit "1.02", never "1.02" twice beside "missed"; and the shown
+    value lies on the same side of the limit as the value itself."""
+    shown, shown_limit = summary._numbers(value, limit)
+    if value != limit:
+        assert shown != shown_limit
+        assert (float(shown) <= float(shown_limit)) == (value <= limit)
+
+
+def test_every_ratio_target_reads_as_a_time_ratio_at_most_its_limit():
+    """The targets in the verdicts' direction: a time over the reference (below 1 is faster), met
+    when it is at most the limit, as every verdict reads."""
+    from pathlib import Path
+
+    from plusequals.bench.results import Results
+
+    data = json.loads((Path(__file__).resolve().parents[1] / "docs/report-cpu/results.json").read_text())
+    checked = 0
+    for t in analyse.targets(Results.load(data)):
+        if t.value is not None and t.unit.startswith("x"):
+            assert t.status.startswith("met") == (t.value <= t.limit), t
+            assert "faster than" not in t.target, t
+            checked += 1
+    assert checked >= 2

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from ..bench.analyse import INFORMATIONAL, on_target, verdict_items
 from ..bench.results import Results, fmt
+from .terminal import print_trimmed, say
 
 SCHEMA = 1
 STATUS_STYLE = {"met": "green", "missed": "red", "not measurable here": "dim"}
@@ -77,11 +78,38 @@ def _cell(c: dict) -> str:
 
 
 def _measured(g: dict) -> str:
-    return "-" if g["value"] is None else f"{fmt(g['value'])} {g['unit'].replace(' (worst shape)', '')}"
+    if g["value"] is None:
+        return "-"
+    return f"{_numbers(g['value'], g['limit'])[0]} {g['unit'].replace(' (worst shape)', '')}"
+
+
+def _limit(g: dict) -> str:
+    return fmt(g["limit"]) if g["value"] is None else _numbers(g["value"], g["limit"])[1]
+
+
+def _numbers(value: float, limit: float) -> tuple[str, str]:
+    """``value`` and ``limit`` with the digits that tell them apart: 1.0204 against 1.02 is
+    "1.0204" and "1.02", never "1.02" twice beside a "missed"."""
+    if fmt(value) != fmt(limit) or value == limit:
+        return fmt(value), fmt(limit)
+    for digits in range(4, 10):
+        shown = f"{value:.{digits}g}"
+        if float(shown) != limit:
+            return shown, f"{limit:g}"
+    return repr(value), repr(limit)
 
 
 def _label(c: dict, reference: str) -> str:
     return c["variant"] if c["vs"] == reference else f"{c['variant']} / {c['vs']}"
+
+
+def _compared(items: list[dict]) -> str:
+    """What an answer-only verdict compares, by name: ``eager/x_plus_op, iadd_clone, ...``."""
+    names = list(dict.fromkeys(c["variant"] for v in items for c in v["comparisons"]))
+    prefix = (
+        names[0].split("/")[0] + "/" if names and all(n.startswith(names[0].split("/")[0] + "/") for n in names) else ""
+    )
+    return prefix + ", ".join(n[len(prefix) :] for n in names) if names else ""
 
 
 def verdict_table(s: dict) -> tuple[Table, list[dict]]:
@@ -92,7 +120,7 @@ def verdict_table(s: dict) -> tuple[Table, list[dict]]:
     for v in s["verdicts"]:
         asked.setdefault(v["question"], []).append(v)
     t = Table(box=None, padding=(0, 1), pad_edge=False)
-    t.add_column("", min_width=30)
+    t.add_column("", min_width=30, max_width=30)
     for b in batches:
         t.add_column(f"batch {b}")
     once = []
@@ -103,7 +131,7 @@ def verdict_table(s: dict) -> tuple[Table, list[dict]]:
         t.add_row(f"[bold]{_md(question)}[/]", *[""] * len(batches))
         if items[0]["answer_only"]:
             answers = {v["batch"]: _md(v["answer"]).replace("; ", "\n") for v in items}
-            t.add_row("", *[answers.get(b, "-") for b in batches])
+            t.add_row(Padding(escape(_compared(items)), (0, 0, 0, 2)), *[answers.get(b, "-") for b in batches])
             continue
         rows: dict[str, dict[int, dict]] = {}
         for v in items:
@@ -118,59 +146,61 @@ def show(s: dict, console: Console) -> None:
     """The summary: legible at 80 columns, no table borders."""
     shapes = "quick shapes" if s["quick"] else "SD v1 shapes"
     console.rule(f"[bold]plusequals report[/]: {s['device']} {s['dtype']}, {shapes}")
-    console.print(f"[dim]{escape(s['machine'])}[/]")
+    say(console, f"[dim]{escape(s['machine'])}[/]")
     if s["informational"]:
         where = " at ".join(
             w for w in ("a CPU" if s["device"] == "cpu" else "", "quick shapes" if s["quick"] else "") if w
         )
-        console.print(
+        say(
+            console,
             f"[yellow]Informational:[/] times from {where}. The targets are for the H200 at SD v1 shapes; "
-            "here the ratios show the method, not the verdict."
+            "here the ratios show the method, not the verdict.",
         )
     console.print()
-    console.print(
+    say(
+        console,
         f"[bold]Verdicts[/] [dim]time / {s['reference']} (or a / b), paired in each round: the lowest–highest median "
         "over the shapes, then in how many cells it is faster or slower ([Q1, Q3] below or above 1) or ≈ (within "
-        "noise)[/]"
+        "noise)[/]",
     )
     table, once = verdict_table(s)
-    console.print(table)
+    print_trimmed(console, table)
     for v in once:
-        console.print(f"[bold]{_md(v['question'])}[/]")
-        console.print(Padding(_md(v["answer"]), (0, 0, 0, 2)))
+        say(console, f"[bold]{_md(v['question'])}[/]")
+        print_trimmed(console, Padding(_md(v["answer"]), (0, 0, 0, 2)))
         if v["comparisons"]:  # one cell each: its median [Q1, Q3]
             t = Table(box=None, show_header=False, padding=(0, 1), pad_edge=False)
             for _ in range(3):
                 t.add_column(no_wrap=True)
             for c in v["comparisons"]:
                 t.add_row(f"  {escape(_label(c, s['reference']))}", *_cell(c).split("\n"))
-            console.print(t)
+            print_trimmed(console, t)
     console.print()
     targets = [
         (
             f"[{STATUS_STYLE.get(g['state'], 'default')}]{g['state']}[/]",
             escape(g["target"]),
             _measured(g),
-            fmt(g["limit"]),
+            _limit(g),
         )
         for g in s["targets"]
     ]
     if console.width < _targets_width(s["targets"]):
-        console.print("[bold]Targets[/]")  # narrow: each target on its own line, its numbers below
+        say(console, "[bold]Targets[/]")  # narrow: each target on its own line, its numbers below
         for state, target, measured, limit in targets:
-            console.print(f"{state}  {target}")
-            console.print(f"    [dim]measured[/] {measured}[dim], limit[/] {limit}")
+            say(console, f"{state}  {target}")
+            say(console, f"    [dim]measured[/] {measured}[dim], limit[/] {limit}")
     else:
         t = Table(box=None, padding=(0, 1), pad_edge=False)
         for name, justify in (("[bold]Targets[/]", "left"), ("", "left"), ("measured", "right"), ("limit", "right")):
             t.add_column(name, no_wrap=True, justify=justify)
         for row in targets:
             t.add_row(*row)
-        console.print(t)
+        print_trimmed(console, t)
     if s["informational"]:
-        console.print(f"[dim]({INFORMATIONAL}; measured: the worst shape)[/]")
+        say(console, f"[dim]({INFORMATIONAL}; measured: the worst shape)[/]")
     took = f" in {s['elapsed_s']:.0f} s" if s.get("elapsed_s") else ""
-    console.print(f"Full report{took}: [bold]{escape(s['report'])}[/] [dim](every number: {escape(s['results'])})[/]")
+    say(console, f"Full report{took}: [bold]{escape(s['report'])}[/] [dim](every number: {escape(s['results'])})[/]")
 
 
 def _targets_width(targets: list) -> int:
@@ -180,7 +210,7 @@ def _targets_width(targets: list) -> int:
         [len("Targets")] + [len(g["state"]) for g in targets],
         [len(g["target"]) for g in targets],
         [len("measured")] + [len(_measured(g)) for g in targets],
-        [len("limit")] + [len(fmt(g["limit"])) for g in targets],
+        [len("limit")] + [len(_limit(g)) for g in targets],
     )
     return sum(max(c) for c in columns) + len(columns) - 1
 
