@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Failure, Result};
-use crate::facts::{autocast_produces, dense_size, device, device_name, versions, Recorded};
+use crate::facts::{autocast_produces, dense_size, device, device_name, dtype_name, versions, Recorded};
 use crate::failpoint::{self, Step};
 pub use crate::linear::{Linear, Lora, LoraSpec};
 use crate::masks::{add_mask, check_mask, per_head, Masks};
@@ -481,12 +481,14 @@ impl BasicTransformerBlock {
             if !same {
                 let key = self.weight_keys().swap_remove(i);
                 let now = match w.f_kind() {
-                    Ok(kind) => format!("{kind:?} of shape {:?} on {}", size.unwrap_or_default(), device_name(w)),
+                    Ok(kind) => {
+                        format!("{} of shape {:?} on {}", dtype_name(kind), size.unwrap_or_default(), device_name(w))
+                    }
                     Err(_) => "not a dense tensor".to_string(),
                 };
                 return Err(Error::WeightChanged {
                     key,
-                    was: format!("{:?} of shape {shape:?} on {}", self.kind, self.device.1),
+                    was: format!("{} of shape {shape:?} on {}", dtype_name(self.kind), self.device.1),
                     now,
                 });
             }
@@ -547,7 +549,11 @@ impl BasicTransformerBlock {
         if kind != self.kind && !autocast_produces(t, &self.norm1.weight) {
             return Err(Error::input(
                 arg,
-                format!("dtype {kind:?} does not match the block's weights ({:?}), and autocast is off", self.kind),
+                format!(
+                    "dtype {} does not match the block's weights ({}), and autocast is off",
+                    dtype_name(kind),
+                    dtype_name(self.kind)
+                ),
             ));
         }
         if device(t) != Some(self.device.0) {

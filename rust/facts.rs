@@ -9,7 +9,7 @@
 
 use std::ffi::{c_char, c_void, CStr};
 
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 mod ffi {
     use std::ffi::{c_char, c_void};
@@ -292,3 +292,25 @@ pub fn device_name(t: &Tensor) -> String {
 
 /// A Python object's address, as the C++ side reports it (a storage's `UntypedStorage`).
 pub type PyObjectPtr = *mut c_void;
+
+/// A dtype as torch names it (`torch.float32`), for messages: tch's `Kind` debug names
+/// (`Float`, `Double`) are not what a PyTorch user reads.
+pub fn dtype_name(kind: Kind) -> String {
+    let name = match kind {
+        Kind::Float => "float32",
+        Kind::Double => "float64",
+        Kind::Half => "float16",
+        Kind::BFloat16 => "bfloat16",
+        Kind::Bool => "bool",
+        Kind::Uint8 => "uint8",
+        Kind::Int8 => "int8",
+        Kind::Int16 => "int16",
+        Kind::Int => "int32",
+        Kind::Int64 => "int64",
+        Kind::ComplexHalf => "complex32",
+        Kind::ComplexFloat => "complex64",
+        Kind::ComplexDouble => "complex128",
+        other => return format!("{other:?}"),
+    };
+    format!("torch.{name}")
+}

@@ -13,7 +13,7 @@
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
-use crate::facts::{dense_size, device, device_name};
+use crate::facts::{dense_size, device, device_name, dtype_name};
 
 /// The masks of one call: `attn1`'s (diffusers' `attention_mask`, keys are `x`'s tokens) and
 /// `attn2`'s (`encoder_attention_mask`, keys are the context's tokens).
@@ -75,7 +75,7 @@ pub fn check_mask(
     }
     let kind = mask.f_kind()?;
     if !matches!(kind, Kind::Bool | Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double) {
-        return Err(Error::input(arg, format!("dtype {kind:?} is neither bool nor floating point")));
+        return Err(Error::input(arg, format!("dtype {} is neither bool nor floating point", dtype_name(kind))));
     }
     if device(mask) != Some(on.0) {
         return Err(Error::input(arg, format!("is on {} but the block's weights are on {}", device_name(mask), on.1)));

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
-use crate::facts::{dense_size, device, device_name};
+use crate::facts::{dense_size, device, device_name, dtype_name};
 
 /// A name → tensor map (a state_dict) from which modules take their weights by key.
 ///
@@ -40,8 +40,8 @@ impl Weights {
         if (*first_kind, *first_device) != (kind, device) {
             return Err(Error::WeightType {
                 key,
-                got: format!("{kind:?} on {}", device_name(&t)),
-                expected: format!("{first_kind:?} on {first_name}"),
+                got: format!("{} on {}", dtype_name(kind), device_name(&t)),
+                expected: format!("{} on {first_name}", dtype_name(*first_kind)),
             });
         }
         Ok(t)
@@ -58,7 +58,9 @@ impl Weights {
             Some((kind, device, name)) if matches!(kind, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double) => {
                 Ok((kind, device, name))
             }
-            Some((kind, ..)) => Err(Error::config(format!("the weights are {kind:?}, not a floating-point dtype"))),
+            Some((kind, ..)) => {
+                Err(Error::config(format!("the weights are {}, not a floating-point dtype", dtype_name(kind))))
+            }
             None => Err(Error::config("the block has no weights".to_string())),
         }
     }

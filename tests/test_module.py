@@ -441,3 +441,56 @@ def test_from_state_dict_follows_its_tensors():
     for t in weights.values():
         t.data = t.data.double()
     assert torch.equal(rust(x.double(), c.double()), block.double()(x.double(), c.double()))
+
+
+# ------------------------------------------------------------------- nn.Module conventions (issue 35)
+@pytest.mark.parametrize("cls", [RustBlock, CppBlock])
+def test_train_and_eval_reach_the_block_it_follows(cls):
+    """eval()/train() on the twin set the followed block's own flag too, not only the shared
+    children's: the two never disagree about the mode."""
+    block = make_block()
+    rust = cls.from_torch(block)
+    for mode in (True, False, True):
+        rust.train(mode)
+        assert block.training is rust.training is mode
+        assert all(m.training is mode for m in block.modules())
+    rust.eval()
+    assert block.training is False
+
+
+@pytest.mark.parametrize("cls", [RustBlock, CppBlock])
+@pytest.mark.parametrize("inner", ["missing", None])
+def test_a_twin_without_a_block_is_refused_at_construction(cls, inner):
+    with pytest.raises(TypeError, match=rf"{cls.__name__}\(\) needs a block: .*from_torch\(block\)"):
+        cls() if inner == "missing" else cls(inner)
+
+
+@pytest.mark.parametrize("convert", ["double", "to_float64", "half", "to_cpu", "float"])
+def test_from_state_dict_refuses_to_convert_loudly_and_keeps_computing(convert):
+    """A from_state_dict block has no parameters of its own: .to()/.double() would convert nothing
+    and the next call would refuse its input. It says so at once, and nothing changed."""
+    block = make_block()
+    weights = {k: v.detach().clone() for k, v in block.state_dict().items()}
+    rust = RustBlock.from_state_dict(weights, dim=80, n_heads=8, d_head=10, context_dim=192)
+    x, c = make_inputs(16)
+    before = {k: v.clone() for k, v in weights.items()}
+    apply = {
+        "double": lambda: rust.double(),
+        "to_float64": lambda: rust.to(torch.float64),
+        "half": lambda: rust.half(),
+        "to_cpu": lambda: rust.to("cpu"),
+        "float": lambda: rust.float(),
+    }[convert]
+    with pytest.raises(TypeError, match="from_state_dict computes with the tensors of its mapping"):
+        apply()
+    assert all(torch.equal(weights[k], before[k]) and weights[k].dtype == before[k].dtype for k in weights)
+    assert torch.equal(rust(x, c), block(x, c))
+
+
+def test_dtypes_are_named_as_torch_names_them():
+    rust = RustBlock.from_torch(make_block())
+    x, c = make_inputs(16)
+    with pytest.raises(ValueError) as e:
+        rust(x.double(), c)
+    assert "torch.float64" in str(e.value) and "torch.float32" in str(e.value)
+    assert "Double" not in str(e.value) and "Float" not in str(e.value)

@@ -18,54 +18,20 @@ from torch import Tensor, nn
 from .. import _rust
 from ..errors import UnsupportedBlockError, ownership_error
 from . import ops
+from .arguments import check_tensor, masks_of, pair, refuse_grad, seen
 from .build import check_dims, validated_inner
 from .config import BlockConfig
 from .dispatch import autocast_dtype, converts_results, seen_by_python, symbolic, why_not_donatable
-from .donated import DonatedTensor
 from .faithful import CHILDREN, Reading, can_probe, probe, read_block
 from .hooks import run_under_saved_tensor_hooks
-
-
-def _check_tensor(name: str, t: object, optional: bool = False) -> None:
-    """What Python checks of an argument before choosing a path: a tensor, not a donated one.
-    Rust checks the rest (layout, shape, dtype, device, named as torch names them)."""
-    if optional and t is None:
-        return
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if isinstance(t, DonatedTensor):
-        raise RuntimeError(
-            f"{name} is a donated tensor: it was moved into RustBlock.forward_owned(..., donate=True); "
-            "use the tensor that call returned, or pass donate=False to keep the input"
-        )
-
 
 # torch.compile and torch.export trace through this name too (Dynamo knows the function, not the
 # name): under them it is True, and the hot path, an opaque call, is never traced.
 _is_compiling = torch.compiler.is_compiling
 
 
-def _refuse_grad(x: Tensor, context: Optional[Tensor]) -> None:
-    """``forward_owned``'s refusal of an input that requires grad while grad mode is on."""
-    if torch.is_grad_enabled():
-        for name, t in (("x", x), ("context", context)):
-            if t is not None and t.requires_grad:
-                raise RuntimeError(
-                    f"forward_owned refuses {name}: it requires grad while grad mode is on. forward_owned adds "
-                    "the residuals in place, which would overwrite activations autograd saved for backward "
-                    "(the textual-inversion bug). Use forward() to train, or call forward_owned under "
-                    "torch.no_grad() / torch.inference_mode()."
-                )
-
-
-def _masks(attention_mask: object, encoder_attention_mask: object) -> Dict[str, Tensor]:
-    """The masks given (tensors, not donated ones), by the Rust block's keyword names."""
-    masks = {}
-    for name, m in (("attention_mask", attention_mask), ("encoder_attention_mask", encoder_attention_mask)):
-        _check_tensor(name, m, optional=True)
-        if m is not None:
-            masks[name] = m
-    return masks
+# from_torch and the swap's block: the module to follow comes next (_adopt)
+ADOPT = object()
 
 
 class RustBlock(nn.Module):
@@ -96,8 +62,14 @@ class RustBlock(nn.Module):
     LANGUAGE = "rust"  # which twin computes: rust/block.rs, or cpp/block.cpp (CppBlock)
 
     def __init__(self, inner: Any = None, device: Optional[torch.device] = None) -> None:
+        if inner is None:
+            name = type(self).__name__
+            raise TypeError(
+                f"{name}() needs a block: {name}.from_torch(block) follows a PyTorch block, "
+                f"{name}.from_state_dict(weights, dim=..., n_heads=..., d_head=...) builds one from CompVis keys"
+            )
         super().__init__()
-        self._twin = ops.Twin(inner)
+        self._twin = ops.Twin(None if inner is ADOPT else inner)
         self._slot = self._twin.id
         self._device = device
         self._config: Optional[BlockConfig] = None  # what the weights alone do not tell, and LANGUAGE
@@ -150,7 +122,7 @@ class RustBlock(nn.Module):
             raise ValueError(
                 f"{cls.__name__}.from_torch cannot reproduce this block exactly: {'; '.join(reading.reasons)}"
             )
-        rb = cls()
+        rb = cls(ADOPT)
         rb._trust = trust
         rb._adopt(block, error=ValueError)
         return rb
@@ -384,15 +356,15 @@ class RustBlock(nn.Module):
         masks = (
             {}
             if attention_mask is None and encoder_attention_mask is None
-            else _masks(attention_mask, encoder_attention_mask)
+            else masks_of(attention_mask, encoder_attention_mask)
         )
-        if torch.compiler.is_compiling() or symbolic(x, context) or (masks and symbolic(*_pair(masks))):
+        if torch.compiler.is_compiling() or symbolic(x, context) or (masks and symbolic(*pair(masks))):
             return ops.block_forward(*self._op_args(x, context, masks))
         if _functorch_weights(self):
             return self._functorch_forward(x, context, masks)
-        _check_tensor("x", x)
-        _check_tensor("context", context, optional=True)
-        if seen_by_python(x, context, dispatch_modes=False) or (masks and _seen(masks, dispatch_modes=False)):
+        check_tensor("x", x)
+        check_tensor("context", context, optional=True)
+        if seen_by_python(x, context, dispatch_modes=False) or (masks and seen(masks, dispatch_modes=False)):
             return ops.block_forward(*self._op_args(x, context, masks))
         call = functools.partial(self._call, **masks) if masks else self._call
         return run_under_saved_tensor_hooks(call, "forward", x, context)
@@ -424,16 +396,16 @@ class RustBlock(nn.Module):
                     y = NotImplemented  # refused before anything moved: the full path reads the module again
                 if y is not NotImplemented:
                     return y
-        masks = _masks(attention_mask, encoder_attention_mask)
-        traced = torch.compiler.is_compiling() or symbolic(x, context) or (bool(masks) and symbolic(*_pair(masks)))
+        masks = masks_of(attention_mask, encoder_attention_mask)
+        traced = torch.compiler.is_compiling() or symbolic(x, context) or (bool(masks) and symbolic(*pair(masks)))
         if not traced and _functorch_weights(self):
             raise UnsupportedBlockError(
                 f"{self._where()}: forward_owned cannot run on functorch-wrapped weights (torch.func.grad, vmap or "
                 "jvp over functional_call): the in-place forward needs the weights' storage"
             )
-        _check_tensor("x", x)
-        _check_tensor("context", context, optional=True)
-        _refuse_grad(x, context)
+        check_tensor("x", x)
+        check_tensor("context", context, optional=True)
+        refuse_grad(x, context)
         if donate:
             if traced:
                 raise RuntimeError(
@@ -447,7 +419,7 @@ class RustBlock(nn.Module):
             y = x.clone(memory_format=torch.contiguous_format)
             ops.block_forward_owned_(y, *args[1:])
             return y
-        if seen_by_python(x, context, dispatch_modes=True) or (masks and _seen(masks, dispatch_modes=True)):
+        if seen_by_python(x, context, dispatch_modes=True) or (masks and seen(masks, dispatch_modes=True)):
             # The same values, without an in-place op for Python code to see x in (a subclass's
             # __torch_dispatch__ would apply it once per inner tensor, into one x).
             with torch.no_grad():
@@ -471,7 +443,7 @@ class RustBlock(nn.Module):
         """``forward_owned(x, donate=True)``: what only Python can see is refused here (modes,
         subclasses whose Python code the Rust ops would bypass); Rust checks ownership, moves the
         buffer and marks ``x`` donated, as one transaction (rust/python/donation.rs, ``donate_into``)."""
-        if masks and _seen(masks, dispatch_modes=True):
+        if masks and seen(masks, dispatch_modes=True):
             self._op_args(x, context, masks)  # raises: no custom op takes masks
         refused = why_not_donatable(x, context)
         if refused:
@@ -496,8 +468,8 @@ class RustBlock(nn.Module):
             raise TypeError(f"n must be an int, got {type(n).__name__}")
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        _check_tensor("x", x)
-        _check_tensor("context", context, optional=True)
+        check_tensor("x", x)
+        check_tensor("context", context, optional=True)
         return self._call("forward_loop", x, context, n=n, owned=owned)
 
     def extra_repr(self) -> str:
@@ -515,8 +487,21 @@ class RustBlock(nn.Module):
     # and builds again on the next call (only where it follows a module: from_state_dict's tensors
     # are not this module's parameters).
     def _apply(self, fn: Any, recurse: bool = True) -> "RustBlock":
+        if self._source is None and self._weights is not None:  # from_state_dict: no parameters to convert
+            raise TypeError(
+                f"{type(self).__name__}.from_state_dict computes with the tensors of its mapping, which are not "
+                "its parameters: .to(), .double() or .cuda() would convert nothing. Convert the tensors (in place, "
+                "or .data =), or build it again from converted ones"
+            )
         self._let_go_for_swap()
         return super()._apply(fn, recurse)
+
+    def train(self, mode: bool = True) -> "RustBlock":
+        """``nn.Module.train``, and the followed block's own flag too (its children are this one's)."""
+        super().train(mode)
+        if self._source is not None:
+            self._source.train(mode)
+        return self
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._let_go_for_swap()  # called before its submodules' (Module.load_state_dict's order)
@@ -581,12 +566,3 @@ def _functorch_weights(block: RustBlock) -> bool:
     if block._source is None or torch._C._functorch.peek_interpreter_stack() is None:
         return False
     return any(map(torch._C._functorch.is_functorch_wrapped_tensor, block.parameters()))
-
-
-def _pair(masks: Dict[str, Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    return masks.get("attention_mask"), masks.get("encoder_attention_mask")
-
-
-def _seen(masks: Dict[str, Tensor], dispatch_modes: bool) -> bool:
-    """Whether Python code must see a call with these masks (a subclass, a mode): see ``seen_by_python``."""
-    return seen_by_python(*_pair(masks), dispatch_modes=dispatch_modes)

@@ -33,7 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UnsupportedBlockError
-from .block import RustBlock, _check_tensor, _functorch_weights
+from .arguments import check_tensor
+from .block import ADOPT, RustBlock, _functorch_weights
 from .config import rust_keys
 from .dispatch import seen_by_python, symbolic
 from .faithful import SUPPORTED_PROCESSORS, read_block
@@ -107,7 +108,7 @@ class RustTransformerBlock(RustBlock):
     """
 
     def __init__(self, block: nn.Module, path: str = "", owned: bool = False) -> None:
-        super().__init__()
+        super().__init__(ADOPT)
         self.path = path
         self.owned = bool(owned)
         self._adopt(block)
@@ -179,12 +180,12 @@ class RustTransformerBlock(RustBlock):
                 f"for attn2's {processor}"
             )
         for i, image in enumerate(pair[1]):
-            _check_tensor(f"encoder_hidden_states[1][{i}]", image)
+            check_tensor(f"encoder_hidden_states[1][{i}]", image)
         return pair[0], list(pair[1])
 
     def _forward_ip_adapter(self, x: Tensor, context: Any, masks: Dict[str, Any], images: List[Tensor]) -> Tensor:
         """The block with IP-Adapter's image embeddings: eagerly, on plain tensors (the custom ops take none)."""
-        _check_tensor("encoder_hidden_states[0]", context)
+        check_tensor("encoder_hidden_states[0]", context)
         given = {k: m for k, m in masks.items() if m is not None}
         tensors = [x, context, *images, *given.values()]
         if (
