@@ -19,7 +19,8 @@ from plusequals.cli.run import split
 SCHEMA = Path(__file__).parent / "data" / "sarif-schema-2.1.0.json"
 PYTHONPATH = str(Path(__file__).resolve().parents[1] / "python")
 
-# Net.gate writes into the h Net still reads (E0596, E0382 at `y + h`, E0502: Linear saved h)
+# Net.gate writes into the h Net was given by the program (E0596: the outermost call's argument) and
+# still reads (E0382 at `y + h`), and that Linear saved (E0502)
 MODEL = """\
 import sys
 
@@ -43,10 +44,9 @@ class Net(nn.Module):
         self.gate = Gate()
         self.out = nn.Linear(8, 8)
 
-    def forward(self, x):
-        h = self.out(x)
+    def forward(self, h):
         y = self.gate(h)
-        return y + h
+        return self.out(y + h)
 
 
 net = Net()
@@ -102,7 +102,7 @@ def test_a_script_in_a_subprocess_its_output_and_argv_intact(tmp_path):
     assert "  --> model.py:13:9\n" in err and "13 |         h.mul_(torch.sigmoid(self.proj(h)))" in err
     assert "   |         ^^^^^^ aten.mul_.Tensor" in err
     assert "the same write, seen 3 times" in err  # three calls of the loop: one diagnostic each
-    assert "note: read again here, after the write\n  --> model.py:26:20" in err
+    assert "note: read again here, after the write\n  --> model.py:25:29" in err
     assert "help: write `h = h * ...`" in err
     assert err.rstrip().endswith("error: 3 errors (E0596, E0382, E0502) in 3 audited calls")
     assert max(len(line) for line in err.splitlines()) <= 80
@@ -170,7 +170,7 @@ def test_json_has_the_findings_and_what_was_watched(tmp_path):
     keys = {"code", "module", "path", "line", "column", "read_at", "op", "message", "count"}
     assert all(keys <= set(x) for x in f.values())
     assert (f["E0596"]["path"], f["E0596"]["line"], f["E0596"]["column"]) == ("model.py", 13, 9)
-    assert f["E0382"]["read_at"] == "model.py:26" and f["E0596"]["module"] == "gate" and f["E0596"]["count"] == 2
+    assert f["E0382"]["read_at"] == "model.py:25" and f["E0596"]["module"] == "gate" and f["E0596"]["count"] == 2
     watched = report["watched"]
     assert watched["calls"] == 2 and watched["module_calls"] == 8 and watched["ops"] > 0
 
@@ -194,8 +194,59 @@ def test_sarif_is_valid_sarif_2_1_0(tmp_path):
     location = e0382["locations"][0]["physicalLocation"]
     assert location["artifactLocation"]["uri"] == "model.py" and location["region"]["startLine"] == 13
     related = e0382["relatedLocations"][0]["physicalLocation"]
-    assert related["region"] == {"startLine": 26, "startColumn": 20, "endColumn": 21}
+    assert related["region"] == {"startLine": 25, "startColumn": 29, "endColumn": 30}
     assert results["unused-allow"]["level"] == "warning" and "E0499" in results["unused-allow"]["message"]["text"]
+
+
+# out = self.relu(out) with nn.ReLU(inplace=True): the write into the conv's temporary is a move
+MOVES = """\
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.relu = nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.conv(x)
+        out = self.relu(out)
+        return out
+
+
+block = Block()
+for _ in range(2):
+    print(tuple(block(torch.randn(1, 3, 8, 8)).shape))
+"""
+
+
+def test_a_move_is_no_finding_and_moves_lists_it_with_its_writer(tmp_path, capsys):
+    """Issue 31's rule in `audit run`: an in-place ReLU on a temporary nobody reads again exits 0
+    with no error; `--moves` lists it (text and JSON), once with its count, naming the writer."""
+    write(tmp_path, "cnn.py", MOVES)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        assert audit_run(["cnn.py"]) == 0
+        plain = capsys.readouterr()
+        assert audit_run(["--moves", "cnn.py"]) == 0
+        listed = capsys.readouterr().err
+        assert audit_run(["--moves", "--format", "json", "cnn.py"]) == 0
+        report = json.loads(capsys.readouterr().err)
+    assert plain.out == "(1, 4, 8, 8)\n" * 2 and plain.err.strip() == "no errors in 2 audited calls"
+    assert "note: `Block.relu` moved its argument (nn.ReLU(inplace=True))\n  --> cnn.py:12:15\n" in listed
+    assert "aten.relu_.default: a write into a temporary nothing else holds" in listed
+    assert "seen 2 times" in listed and "error" not in listed.replace("no errors", "")
+    assert report["findings"] == [] and report["exit_status"] == 0
+    assert report["moves"] == [
+        {
+            "module": "relu",
+            "where": "cnn.py:12",
+            "op": "aten.relu_.default",
+            "count": 2,
+            "writer": "nn.ReLU(inplace=True)",
+        }
+    ]
 
 
 TRAIN = """\
@@ -284,7 +335,8 @@ def test_the_readme_example_is_a_real_run(tmp_path, capsys):
     paragraphs = out.strip().split("\n\n")
     excerpt = _between(readme, "audit-run-output").strip().split("\n\n")
     assert all(p in paragraphs for p in excerpt), out
-    assert [p.split(":")[0] for p in paragraphs] == ["error[E0596]", "error[E0382]", "error[E0502]", "error"]
+    # h is Net's own temporary, read again: E0382 (not E0596, which is for memory others hold)
+    assert [p.split(":")[0] for p in paragraphs] == ["error[E0382]", "error[E0502]", "error"]
 
 
 SKIP = """\

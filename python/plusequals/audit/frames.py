@@ -28,14 +28,14 @@ __all__ = [
     "line_names",
     "location",
     "user_frame",
-    "write_site",
 ]
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
-_TORCH_NN = os.path.join(_TORCH, "nn") + os.sep
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# the audit's machinery: every module of the package (its harnesses in cases.py are user code)
-_AUDIT = frozenset(os.path.join(_HERE, f) for f in os.listdir(_HERE) if f.endswith(".py") and f != "cases.py")
+# the audit's machinery: every module of the package but its harnesses, whose models are user code
+# (the project's cases in cases.py, the real bugs in corpus.py)
+_HARNESSES = ("cases.py", "corpus.py")
+_AUDIT = frozenset(os.path.join(_HERE, f) for f in os.listdir(_HERE) if f.endswith(".py") and f not in _HARNESSES)
 
 
 def is_user(frame: FrameType) -> bool:
@@ -49,19 +49,6 @@ def user_frame(frame: Optional[FrameType], stop: Optional[FrameType] = None) -> 
     while frame is not None and frame is not stop and not is_user(frame):
         frame = frame.f_back
     return None if frame is stop else frame
-
-
-def write_site(frame: Optional[FrameType], stop: Optional[FrameType]) -> Optional[FrameType]:
-    """Where a write is reported: the innermost user frame below ``stop`` (the audit's frame),
-    else, when the model's code is all torch's (an ``nn.Sequential`` audited directly), the
-    innermost frame of ``torch.nn`` below ``stop`` (``torch/nn/functional.py``): never the line
-    that called ``audit()``."""
-    found = user_frame(frame, stop)
-    while found is None and frame is not None and frame is not stop:
-        if frame.f_code.co_filename.startswith(_TORCH_NN):
-            return frame
-        frame = frame.f_back
-    return found
 
 
 _SHORT: Dict[str, str] = {}

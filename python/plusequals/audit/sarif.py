@@ -78,6 +78,7 @@ def to_json(
         "raised": [{"message": d.title, "count": d.count} for d in diagnostics if d.code == "raised"],
         "moves": [
             {"module": d.finding.module, "where": d.finding.where, "op": d.finding.op, "count": d.count}
+            | {"writer": d.finding.writer}
             for d in diagnostics
             if d.code == "move"
         ],
