@@ -36,7 +36,8 @@ def test_a_dtype_autocast_did_not_produce_is_still_refused():
     x, c = make_inputs(tokens=16)
     rust = RustBlock.from_torch(block)
     with pytest.raises(
-        ValueError, match=r"^x dtype torch.bfloat16 does not match the block's weights \(torch.float32\), and autocast is off"
+        ValueError,
+        match=r"^x dtype torch.bfloat16 does not match the block's weights \(torch.float32\), and autocast is off",
     ):
         rust(x.bfloat16(), c)
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="^x dtype torch.float16"):

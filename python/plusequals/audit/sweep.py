@@ -39,9 +39,9 @@ class Row(NamedTuple):
     seconds: float
 
 
-# The heaviest torchvision models, left out of `make test`'s default run (PLUSEQUALS_FULL_SWEEP=1
-# runs them): on a loaded 2-core machine these 21 took 96 s of the sweep's 202 s, the other 77
-# (every transformers and diffusers model among them) 106 s.
+# The heaviest torchvision models, marked slow in tests/test_audit_sweep.py (make test runs them;
+# -m "not slow" does not): on a loaded 2-core machine these 21 took 96 s of the sweep's 202 s, the
+# other 77 (every transformers and diffusers model among them) 106 s.
 SLOW = (
     ("torchvision", "regnet_y_128gf"),
     ("torchvision", "efficientnet_v2_l"),
