@@ -138,7 +138,7 @@ def verdict_table(s: dict) -> tuple[Table, list[dict]]:
             for c in v["comparisons"]:
                 rows.setdefault(_label(c, s["reference"]), {})[v["batch"]] = c
         for label, at in rows.items():
-            t.add_row(f"  {escape(label)}", *[_cell(at[b]) if b in at else "-" for b in batches])
+            t.add_row(Padding(escape(label), (0, 0, 0, 2)), *[_cell(at[b]) if b in at else "-" for b in batches])
     return t, once
 
 

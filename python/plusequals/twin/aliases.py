@@ -301,6 +301,22 @@ TABLE = [
         "`tests/test_transaction.py`",
     ),
     Row(
+        "a dual tensor as `x` (forward-mode AD, `make_dual`)",
+        "silent (the tangent was dropped)",
+        "n/a",
+        'donation refused (`.why == "tangent"`), `x` and its tangent kept; `forward` and `donate=False` keep the '
+        "tangent",
+        "`tests/test_holes.py`",
+    ),
+    Row(
+        "a weakref to `x`'s storage made by a subclass's `__init_subclass__` (run when the donated class is made)",
+        "silent (it was made after the check)",
+        "n/a",
+        "refused: the donated class is made before the check, which counts it; no Python code runs from the check "
+        "to the move",
+        "`tests/test_holes.py`",
+    ),
+    Row(
         "saved-tensor hooks that keep the Python object (`save_on_cpu`, an identity hook)",
         "loud later (backward)",
         "n/a",
