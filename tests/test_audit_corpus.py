@@ -14,7 +14,7 @@ from plusequals.audit import corpus
 def readme_block(name: str) -> str:
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs/guide/audit.md").read_text()
     start, end = f"<!-- {name} -->\n", f"\n<!-- /{name} -->"
     return text[text.index(start) + len(start) : text.index(end)]
 

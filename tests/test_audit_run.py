@@ -326,8 +326,9 @@ def _between(text: str, marker: str) -> str:
 def test_the_readme_example_is_a_real_run(tmp_path, capsys):
     """README's "Audit your model": its model.py, run by `audit run`, prints the excerpt shown
     (each of its paragraphs is one of the output's, and the output has no other errors)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    write(tmp_path, "model.py", _between(readme, "audit-run-example"))
+    repo = Path(__file__).resolve().parents[1]
+    readme = (repo / "README.md").read_text()
+    write(tmp_path, "model.py", _between((repo / "docs/guide/audit.md").read_text(), "audit-run-example"))
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(tmp_path)
         assert audit_run(["model.py"]) == 1

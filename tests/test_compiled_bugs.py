@@ -14,7 +14,7 @@ from plusequals import STRATEGIES
 from plusequals.bench import compiled_bugs as cb
 from plusequals.model import bugs
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs/guide/bugs.md"  # the bugs' page of the guide
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,11 @@
-"""The README's numbers about the committed CPU report all come from its results.json."""
+"""The numbers that README.md and the guide (docs/guide/) give about the committed CPU report all
+come from its results.json."""
 
 import json
 import re
 from pathlib import Path
+
+import pytest
 
 from plusequals.bench.results import NUMBER, fmt
 from report_tokens import tokens
@@ -11,10 +14,14 @@ REPO = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"<!-- numbers: (\S+) .*?-->(.*?)<!-- /numbers -->", re.S)
 
 
-def test_every_number_in_a_numbers_block_is_in_its_results_json():
-    readme = (REPO / "README.md").read_text()
-    blocks = BLOCK.findall(readme)
-    assert blocks, "no <!-- numbers: ... --> block in README.md"
+PAGES = [REPO / "README.md", *sorted((REPO / "docs" / "guide").glob("*.md"))]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_number_in_a_numbers_block_is_in_its_results_json(page):
+    blocks = BLOCK.findall(page.read_text())
+    if page.name == "README.md":
+        assert blocks, "no <!-- numbers: ... --> block in README.md"
     for source, text in blocks:
         allowed = tokens(json.loads((REPO / source).read_text()), set(), us=True)
         prose = re.sub(r"`[^`]*`", "", text)  # variant names (eager/op_plus_x, cpp/loop) are not numbers
