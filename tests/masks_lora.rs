@@ -66,7 +66,7 @@ fn bad_masks_are_errors_naming_the_argument() -> plusequals::Result<()> {
     let cases = [
         (f(&[2, 15], Kind::Float), true, "attention_mask expected shape (2, 16) or (2, 1 or 16, 16)"),
         (f(&[2, 3, 7], Kind::Float), false, "encoder_attention_mask expected shape (2, 7) or (2, 1 or 16, 7)"),
-        (f(&[2, 7], Kind::Int64), false, "encoder_attention_mask dtype Int64 is neither bool nor floating point"),
+        (f(&[2, 7], Kind::Int64), false, "encoder_attention_mask dtype torch.int64 is neither bool nor floating point"),
     ];
     for (mask, first, want) in cases {
         let masks = if first {
