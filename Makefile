@@ -10,7 +10,7 @@ export LIBTORCH_USE_PYTORCH := 1
 # torch-sys's C++ wrapper is compiled by each build (clippy's, cargo test's, trybuild's, maturin's):
 # .cargo/config.toml gives it one set of flags in every profile, and ccache (from .venv) compiles it
 # once. The cache lives in target/, so a fresh clone starts cold.
-export CXX := ccache c++
+export CXX := $(abspath scripts/ccache-g++)
 export CCACHE_DIR := $(abspath target/ccache)
 REPORT_ARGS ?=
 

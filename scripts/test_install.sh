@@ -28,7 +28,7 @@ fi
 rm -rf "$work" && mkdir -p "$work/run"
 : >"$log"
 # The user's shell: this venv activated (first on PATH; the Makefile's .venv stays behind it for
-# the ccache of CXX="ccache c++", which keeps torch-sys's build fingerprint), no PYTHONPATH.
+# the ccache of CXX=scripts/ccache-g++, which keeps torch-sys's build fingerprint), no PYTHONPATH.
 unset PYTHONPATH
 python=$(command -v "${PYTHON:-python3}")
 export VIRTUAL_ENV=$venv
