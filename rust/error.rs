@@ -81,10 +81,9 @@ impl Error {
 /// would corrupt a gradient.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Alias {
-    /// `n` handles on the tensor besides the ones the caller gave up: a view's hold on its base,
-    /// `shallow_clone`, a copy autograd saved for backward, tch's in-place return value, a
-    /// Python reference.
-    OtherHandles(i64),
+    /// `n` handles on the tensor besides the ones the caller gave up, and who holds them as far
+    /// as libtorch's counts tell ([`Holders`]).
+    OtherHandles(i64, Holders),
     /// `n` weak references to the tensor, its storage, or its storage's Python object
     /// (torch.multiprocessing's `StorageWeakRef`, `weakref.ref(x.untyped_storage())`). No use
     /// count shows them, and each can be upgraded to a second name at any moment, from any thread.
@@ -124,11 +123,27 @@ pub enum Alias {
     OverlapsX,
 }
 
+/// Who holds a tensor's other handles ([`Alias::OtherHandles`]), told apart by libtorch's counts:
+/// whether other tensors share its storage, and whether the caller is Python.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Holders {
+    /// Other tensors share its storage: a view of it (`view`, `reshape`, a slice, `transpose`,
+    /// `expand`), which holds its base.
+    Views,
+    /// No other tensor shares its storage, and the caller is Rust: a handle on the tensor itself
+    /// (`shallow_clone`, the handle an in-place op returned, a tensor autograd saved for backward).
+    Rust,
+    /// No other tensor shares its storage, and the caller is Python, whose names share one
+    /// handle: C++ holds the tensor itself (autograd saved it for a backward that has not run, a
+    /// DLPack export such as JAX's, a C++ extension).
+    Cpp,
+}
+
 impl Alias {
     /// The kind, as Python's `OwnershipError.why` spells it.
     pub fn kind(&self) -> &'static str {
         match self {
-            Alias::OtherHandles(_) => "other_handles",
+            Alias::OtherHandles(..) => "other_handles",
             Alias::WeakRefs(_) => "weak_refs",
             Alias::View => "view",
             Alias::SharedStorage(_) => "shared_storage",
@@ -149,7 +164,7 @@ impl Alias {
     /// How many other handles, weak references or tensors on the storage, for the kinds that count.
     pub fn count(&self) -> Option<i64> {
         match self {
-            Alias::OtherHandles(n) | Alias::WeakRefs(n) | Alias::SharedStorage(n) => Some(*n),
+            Alias::OtherHandles(n, _) | Alias::WeakRefs(n) | Alias::SharedStorage(n) => Some(*n),
             _ => None,
         }
     }
@@ -157,7 +172,7 @@ impl Alias {
     /// A few words for tables (the demo's run-time column).
     pub fn label(&self) -> String {
         match self {
-            Alias::OtherHandles(n) => format!("{n} other handle(s)"),
+            Alias::OtherHandles(n, _) => format!("{n} other handle(s)"),
             Alias::WeakRefs(n) => format!("{n} weak reference(s)"),
             Alias::View => "a view".into(),
             Alias::SharedStorage(n) => format!("storage shared with {n}"),
@@ -179,11 +194,23 @@ impl Alias {
 impl fmt::Display for Alias {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Alias::OtherHandles(n) => write!(
+            Alias::OtherHandles(n, Holders::Views) => write!(
                 f,
-                "has {n} other handle(s) on it (a view of it, which keeps it alive; shallow_clone; a tensor \
-                 autograd saved for backward; the handle an in-place op returned; a Python reference), which \
-                 would read the in-place writes"
+                "has {n} other handle(s) on it, and other tensors share its storage: a view of it is alive (a \
+                 view, reshape, slice, transpose or expand of x holds its base), which would read the in-place \
+                 writes; drop the view first, or pass x.clone()"
+            ),
+            Alias::OtherHandles(n, Holders::Rust) => write!(
+                f,
+                "has {n} other handle(s) on the tensor itself, and no view of it: a shallow_clone, the handle an \
+                 in-place op returned, or a tensor autograd saved for backward, which would read the in-place writes"
+            ),
+            Alias::OtherHandles(n, Holders::Cpp) => write!(
+                f,
+                "has {n} other handle(s) held by C++, not by a Python name (Python's names share one handle) and \
+                 not by a view: autograd saved x for a backward that has not run (an op recorded with grad on, such \
+                 as y = x * w), or a DLPack export (JAX) or a C++ extension keeps it; run or drop that graph first, \
+                 or pass x.clone()"
             ),
             Alias::WeakRefs(n) => write!(
                 f,

@@ -45,7 +45,7 @@ use std::marker::PhantomData;
 
 use tch::Tensor;
 
-pub use crate::error::Alias;
+pub use crate::error::{Alias, Holders};
 use crate::error::{Error, Result};
 use crate::facts::{dispatch_modes, grad_mode_enabled, memory_span, set_grad_mode, tensor_facts, Memory, PyObjectPtr};
 
@@ -154,9 +154,6 @@ pub fn check_exclusive(t: &Tensor, caller: &Caller) -> std::result::Result<(), A
     if f.storage_resizable == 0 {
         return Err(Alias::NotResizable);
     }
-    if f.tensor_uses > caller.handles {
-        return Err(Alias::OtherHandles(f.tensor_uses - caller.handles));
-    }
     // The storage's Python object, if one exists: weakly referenced, or reachable at all?
     let (object_weakrefs, object_unreachable) = match (f.storage_pyobject.is_null(), caller.python_weakrefs) {
         (true, _) => (0, false),
@@ -166,6 +163,15 @@ pub fn check_exclusive(t: &Tensor, caller: &Caller) -> std::result::Result<(), A
         }
         (false, None) => (0, false), // no Python to ask: counted as reachable below
     };
+    let storage_uses = f.storage_uses - i64::from(object_unreachable);
+    if f.tensor_uses > caller.handles {
+        let holders = match (storage_uses > 1, caller.python_weakrefs.is_some()) {
+            (true, _) => Holders::Views,
+            (false, true) => Holders::Cpp,
+            (false, false) => Holders::Rust,
+        };
+        return Err(Alias::OtherHandles(f.tensor_uses - caller.handles, holders));
+    }
     let weak = f.tensor_weak_refs + f.storage_weak_refs + object_weakrefs;
     if weak > 0 {
         return Err(Alias::WeakRefs(weak));
@@ -173,7 +179,6 @@ pub fn check_exclusive(t: &Tensor, caller: &Caller) -> std::result::Result<(), A
     if f.is_view != 0 {
         return Err(Alias::View);
     }
-    let storage_uses = f.storage_uses - i64::from(object_unreachable);
     if storage_uses > 1 {
         return Err(Alias::SharedStorage(storage_uses - 1));
     }

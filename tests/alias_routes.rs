@@ -7,7 +7,7 @@
 #![allow(clippy::disallowed_methods)] // tests use tch as its users do: a panic fails the test
 
 use plusequals::aliases::{routes, Outcome};
-use plusequals::ownership::Alias;
+use plusequals::ownership::{Alias, Holders};
 use plusequals::Error;
 
 /// The argument a refusal must name, and the reasons it may give.
@@ -15,20 +15,20 @@ type Refusal = (&'static str, fn(&Alias) -> bool);
 
 fn expected(route: &str) -> Option<Refusal> {
     Some(match route {
-        "shallow_clone" => ("x", |a| *a == Alias::OtherHandles(1)),
+        "shallow_clone" => ("x", |a| *a == Alias::OtherHandles(1, Holders::Rust)),
         // detach() shares the storage with a TensorImpl of its own; a view also holds its base.
         "detach" => ("x", |a| *a == Alias::SharedStorage(1)),
-        "view / reshape" => ("x", |a| *a == Alias::OtherHandles(1)),
-        "narrow / indexing" | "transpose / expand" => ("x", |a| *a == Alias::OtherHandles(2)),
+        "view / reshape" => ("x", |a| *a == Alias::OtherHandles(1, Holders::Views)),
+        "narrow / indexing" | "transpose / expand" => ("x", |a| *a == Alias::OtherHandles(2, Holders::Views)),
         "context overlaps x" => ("context", |a| *a == Alias::OverlapsX),
         "grad mode back on" => ("x", |a| *a == Alias::GradMode),
-        "autograd saved x" => ("x", |a| *a == Alias::OtherHandles(1)),
-        "add_in_place while autograd holds x" => ("x", |a| *a == Alias::OtherHandles(1)),
+        "autograd saved x" => ("x", |a| *a == Alias::OtherHandles(1, Holders::Rust)),
+        "add_in_place while autograd holds x" => ("x", |a| *a == Alias::OtherHandles(1, Holders::Rust)),
         "foreign memory" => ("x", |a| *a == Alias::ForeignMemory),
         // No use count shows a weak reference: libtorch's weak count does.
         "weak reference kept" => ("x", |a| *a == Alias::WeakRefs(1)),
-        "C++ twin: shallow_clone kept" => ("x", |a| *a == Alias::OtherHandles(1)),
-        "in-place op's returned handle" => ("x", |a| *a == Alias::OtherHandles(1)),
+        "C++ twin: shallow_clone kept" => ("x", |a| *a == Alias::OtherHandles(1, Holders::Rust)),
+        "in-place op's returned handle" => ("x", |a| *a == Alias::OtherHandles(1, Holders::Rust)),
         _ => return None,
     })
 }

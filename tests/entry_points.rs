@@ -98,7 +98,10 @@ fn each_refuses_an_aliased_x_and_grad_mode_turned_back_on() -> Result<()> {
             let before = alias.copy();
             let no_grad = NoGrad::new();
             let err = run(x, &c, &no_grad).expect_err(name);
-            assert!(matches!(err, Error::NotOwned { arg: "x", why: Alias::OtherHandles(_) }), "{name}, {how}: {err:?}");
+            assert!(
+                matches!(err, Error::NotOwned { arg: "x", why: Alias::OtherHandles(..) }),
+                "{name}, {how}: {err:?}"
+            );
             assert!(alias.equal(&before), "{name}, {how}: the other name changed");
         }
         let (x, c) = small_inputs()?;

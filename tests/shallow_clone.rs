@@ -5,7 +5,7 @@
 //! before the first write. `tests/alias_routes.rs` has the other routes.
 #![allow(clippy::disallowed_methods)] // tests use tch as its users do: a panic fails the test
 
-use plusequals::ownership::Alias;
+use plusequals::ownership::{Alias, Holders};
 use plusequals::testing::{small_block, small_inputs};
 use plusequals::{Error, NoGrad, Result};
 
@@ -17,7 +17,7 @@ fn shallow_clone_compiles_but_the_move_is_refused_at_run_time() -> Result<()> {
     let alias = x.shallow_clone(); // compiles: rustc sees two owned values
     let no_grad = NoGrad::new();
     let err = block.forward_owned(x, Some(&context), &no_grad).expect_err("an aliased x must be refused");
-    assert!(matches!(err, Error::NotOwned { arg: "x", why: Alias::OtherHandles(1) }), "{err:?}");
+    assert!(matches!(err, Error::NotOwned { arg: "x", why: Alias::OtherHandles(1, Holders::Rust) }), "{err:?}");
     assert!(alias.equal(&before), "nothing was written");
     // Once the alias is gone, the same tensor can be given away.
     let y = block.forward_owned(alias, Some(&context), &no_grad)?;

@@ -21,6 +21,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from boundary_helpers import _raw_block, assert_matches, same_bits, small_block, small_inputs
 from plusequals import DonatedTensor, OwnershipError, RustBlock
@@ -197,3 +199,48 @@ def test_the_readme_catalogue_is_the_table_the_demo_runs():
     """README.md's catalogue says only what plusequals.twin.aliases.TABLE (run live by the demo, its
     outcomes checked by tests/test_demo.py) says, row for row."""
     assert catalogue_rows_in_readme() == [row.readme for row in aliases.TABLE]
+
+
+_VIEWS = {
+    "view": lambda x: x.view(-1),
+    "reshape": lambda x: x.reshape(x.shape[0], -1),
+    "slice": lambda x: x[:, :1],
+    "transpose": lambda x: x.transpose(1, 2),
+    "unsqueeze": lambda x: x.unsqueeze(0),
+    "narrow": lambda x: x.narrow(-1, 0, 2),
+}
+# Ops autograd records with grad on that keep x itself for the backward of w. (``x @ w`` on a 3-D x
+# saves a 2-D view of x: the refusal then names a view, rightly.)
+_SAVED = {
+    "x * w": lambda x, w: x * w,
+    "x.sin() * w": lambda x, w: x.sin() * w * x,
+    "w.mul(x)": lambda x, w: w.mul(x),
+}
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    views=st.lists(st.sampled_from(sorted(_VIEWS)), max_size=2),
+    saved=st.lists(st.sampled_from(sorted(_SAVED)), max_size=2),
+)
+def test_the_other_handles_refusal_names_the_holder_that_applied(views, saved):
+    """Issue 35: ``other_handles`` says who holds the handle, from libtorch's counts: a view of
+    x that is alive (other tensors share its storage), else C++ code holding x itself (autograd's
+    saved tensor), never the list of every possible cause."""
+    assume(views or saved)
+    _, raw = _raw_block()
+    x, c = small_inputs()
+    w = torch.ones_like(x).requires_grad_(True)
+    kept = [_VIEWS[v](x) for v in views]
+    with torch.enable_grad():
+        graphs = [_SAVED[s](x, w) for s in saved]
+    before = x.clone()
+    with torch.no_grad(), pytest.raises(OwnershipError) as info:
+        raw.forward_owned(x, c, donate=True)
+    message = str(info.value)
+    assert (info.value.arg, info.value.why) == ("x", "other_handles"), message
+    assert same_bits(x, before)
+    names_views, names_autograd = "a view of it is alive" in message, "autograd saved x" in message
+    assert (names_views, names_autograd) == (bool(views), not views), message
+    assert "shallow_clone" not in message, message  # a Rust-only holder is not named to Python
+    del kept, graphs
