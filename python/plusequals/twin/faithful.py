@@ -129,9 +129,10 @@ def _known_classes() -> set:
         blocks.GEGLU,
     }
     if "peft.tuners.lora.layer" in sys.modules:
+        from peft.tuners.lora.dora import DoraLinearLayer
         from peft.tuners.lora.layer import Linear as LoraLinear
 
-        known |= {LoraLinear, nn.ModuleDict, nn.ParameterDict, nn.Identity}
+        known |= {LoraLinear, DoraLinearLayer, nn.ModuleDict, nn.ParameterDict, nn.Identity}
     if "diffusers.models.attention" in sys.modules:
         attention, processor, activations = _diffusers_modules()
         known |= {
@@ -156,7 +157,7 @@ class _Reader:
         self.wrapped: List[str] = []
         self.accounted: set = set()
         self.skip_dropouts: set = set()
-        self.lora: List[Tuple[str, int, float, bool]] = []
+        self.lora: List[Tuple[str, int, float, bool, bool]] = []
         self.ip_adapter: List[float] = []  # attn2's IP-Adapter scales (twin/ip_adapter.py; BlockConfig.ip_adapter)
         self.called: List[Any] = []  # what the forward calls besides modules (diffusers' processors)
 
