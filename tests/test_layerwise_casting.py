@@ -1,0 +1,153 @@
+"""diffusers' layerwise casting (``enable_layerwise_casting``) on swapped blocks (issue 34, twin/casting.py).
+
+The swapped block runs diffusers' own ``LayerwiseCastingHook.pre_forward`` on every hooked module of
+the block (the stored low-precision weights to the compute dtype, in place of their data), computes
+in Rust, and runs the hooks' ``post_forward`` after. Asserted against the library's UNet with the same
+casting: bitwise output and gradients (the text, every parameter, LoRA's included), fp8 storage with
+fp32 or bf16 compute; fp16 compute forward (diffusers' own backward fails on the CPU there, as does the
+swapped one: asserted too). Refused, naming layerwise casting: ``RustBlock.from_torch`` (no cast),
+traced calls, DoRA under casting, and a peft layer cast without diffusers' input hook. A failed call
+leaves the weights stored as they were.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from conftest import rel_err
+from plusequals import RustBlock, RustTransformerBlock, UnsupportedBlockError, swap_transformer_blocks
+
+pytest.importorskip("peft", reason="needs the optional extra plusequals[diffusers]")
+pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
+from diffusers.hooks.layerwise_casting import apply_layerwise_casting, apply_layerwise_casting_hook  # noqa: E402
+from peft import LoraConfig  # noqa: E402
+
+from test_lora import DIM, call, inputs, lora_block  # noqa: E402
+from test_sd_features import make_unet  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def unets(dtype, lora=None):
+    """The swapped UNet and the library's, in ``dtype``, with the same LoRA adapter when ``lora``."""
+    pair = []
+    for swapped in (True, False):
+        unet = make_unet()
+        if lora:
+            with torch.random.fork_rng():
+                torch.manual_seed(18)
+                unet.add_adapter(LoraConfig(init_lora_weights=False, **lora), adapter_name="a")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # diffusers warns that it casts with to()
+            unet.to(dtype)
+        if swapped:
+            swap_transformer_blocks(unet)
+        pair.append(unet)
+    return pair
+
+
+def step(unet, dtype, grad=True):
+    """The output and, with ``grad``, the gradients of the text and every parameter."""
+    g = torch.Generator().manual_seed(1)
+    sample, text = torch.randn(2, 4, 16, 16, generator=g).to(dtype), torch.randn(2, 77, 32, generator=g).to(dtype)
+    unet.zero_grad(set_to_none=True)
+    text.requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        y = unet(sample, torch.tensor([10, 700]), text).sample
+    if not grad:
+        return [y]
+    y.float().square().sum().backward()
+    return [y, text.grad] + [p.grad for _, p in sorted(unet.named_parameters())]
+
+
+def same(got, expected):
+    return len(got) == len(expected) and all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in zip(got, expected)
+    )
+
+
+@pytest.mark.parametrize(
+    "compute, lora",
+    [
+        (torch.float32, None),
+        (torch.bfloat16, None),
+        (torch.bfloat16, {"r": 4, "lora_alpha": 4, "target_modules": ["to_q", "to_v", "to_out.0", "proj"]}),
+    ],
+)
+def test_layerwise_casting_is_bitwise_the_library_forward_and_backward(compute, lora):
+    unet, reference = unets(compute, lora)
+    for u in (unet, reference):
+        u.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=compute)
+    blocks = [m for m in unet.modules() if isinstance(m, RustTransformerBlock)]
+    got, expected = step(unet, compute), step(reference, compute)
+    assert same(got, expected)
+    assert all(b._reading.casting for b in blocks)  # run in Rust, under the hooks
+    stored = {p.dtype for b in blocks for n, p in b.named_parameters() if "norm" not in n and "lora_" not in n}
+    assert stored == {FP8}, "the weights are stored in fp8 again after the call"
+    if lora:
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in unet.named_parameters() if "lora_" in n)
+    uncast = step(unets(compute, lora)[1], compute, grad=False)[0]
+    assert rel_err(got[0].float(), uncast.float()) > 1e-3, "fp8 storage should change the output"
+
+
+def test_layerwise_casting_fp16_compute_forward_and_the_backward_diffusers_fails():
+    unet, reference = unets(torch.float16)
+    for u in (unet, reference):
+        u.enable_layerwise_casting(storage_dtype=torch.float8_e5m2, compute_dtype=torch.float16)
+    assert same(step(unet, torch.float16, grad=False), step(reference, torch.float16, grad=False))
+    for u in (unet, reference):  # the library's own backward fails on the CPU: the swapped one alike
+        with pytest.raises(RuntimeError, match="expected scalar type Half but found Float8_e5m2"):
+            step(u, torch.float16)
+
+
+def cast_block(**lora):
+    block = lora_block(seed=30, **lora) if lora else lora_block(seed=30, target_modules=["to_q"])
+    apply_layerwise_casting(block, FP8, torch.float32)
+    return block
+
+
+def test_where_the_cast_cannot_be_followed_it_is_refused_naming_layerwise_casting():
+    """RustBlock.from_torch does not cast; traced calls would take the stored weights; peft's DoRA
+    reads them directly; a LoRA layer cast without diffusers' input hook would see its input cast
+    to fp8 by peft. Each is named."""
+    with pytest.raises(UnsupportedBlockError, match="layerwise casting .* RustBlock.from_torch does not cast"):
+        RustBlock.from_torch(cast_block())
+    rust = RustTransformerBlock(cast_block())
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), pytest.raises(UnsupportedBlockError, match="under diffusers' layerwise casting cannot be"):
+        call(rust, torch.empty(2, 5, DIM), torch.empty(2, 4, 24))
+    with pytest.raises(UnsupportedBlockError, match="DoRA under diffusers' layerwise casting"):
+        RustTransformerBlock(cast_block(use_dora=True, target_modules=["to_k"]))
+    block = lora_block(seed=31, target_modules=["to_v"])
+    apply_layerwise_casting_hook(block.attn1.to_v.lora_A["a"], FP8, torch.float32, False)  # no input hook
+    with pytest.raises(UnsupportedBlockError, match="attn1.to_v is a peft LoRA layer whose lora_A is under"):
+        RustTransformerBlock(block)
+
+
+def test_a_failed_call_leaves_the_weights_stored_as_they_were():
+    block = cast_block()
+    rust = RustTransformerBlock(block)
+    x, c = inputs()
+    with torch.no_grad():
+        expected = call(block, x, c)
+        before = {n: (p.dtype, p.clone()) for n, p in block.named_parameters()}
+        with pytest.raises(ValueError):
+            call(rust, x, c[..., :5])  # a context of the wrong width: refused inside the cast
+        after = {n: (p.dtype, p) for n, p in block.named_parameters()}
+        assert all(before[n][0] == after[n][0] and torch.equal(before[n][1], after[n][1]) for n in before)
+        assert torch.equal(call(rust, x, c), expected)
+
+
+def test_hooks_added_after_the_swap_are_followed():
+    """Casting enabled on a block after it was read (and run): the next call reads it again and casts."""
+    block = lora_block(seed=32, target_modules=["to_q"])
+    rust = RustTransformerBlock(block)
+    x, c = inputs()
+    with torch.no_grad():
+        plain = call(rust, x, c)
+        apply_layerwise_casting(block, FP8, torch.float32)
+        got = call(rust, x, c)
+        assert torch.equal(got, call(block, x, c)) and not torch.equal(got, plain)
