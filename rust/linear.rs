@@ -85,16 +85,19 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut result = x.f_linear(&self.weight, self.bias.as_ref())?;
         let kind = result.f_kind()?;
+        let mut input: Option<Tensor> = None;
         for t in &self.lora {
-            // PEFT's lora.Linear: result = result + lora_B(lora_A(dropout(x))) * scaling (dropout: identity),
-            // or its DoRA variant's term
+            // PEFT's lora.Linear: x = _cast_input_dtype(x, lora_A's dtype) (it stays cast for the next
+            // adapter), then result + lora_B(lora_A(dropout(x))) * scaling (dropout: identity), or DoRA's term
+            let x = input.as_ref().unwrap_or(x).f_to_kind(t.a.f_kind()?)?;
             result = match &t.magnitude {
-                None => result.f_add(&t.lora_b(x)?.f_mul_scalar(t.scaling)?)?,
+                None => result.f_add(&t.lora_b(&x)?.f_mul_scalar(t.scaling)?)?,
                 Some(magnitude) => {
-                    let dora = self.dora(t, magnitude, x, &result)?;
+                    let dora = self.dora(t, magnitude, &x, &result)?;
                     result.f_add(&dora)?
                 }
             };
+            input = Some(x);
         }
         Ok(result.f_to_kind(kind)?) // PEFT: result.to(torch_result_dtype) (a no-op unless DoRA promoted it)
     }

@@ -97,6 +97,37 @@ def test_dora_block_forward_and_backward_match_peft_bit_for_bit(first, second, s
     assert any(m.grad.abs().sum() > 0 for m in active_magnitudes(block))
 
 
+@pytest.mark.parametrize("dtype", ["autocast-bf16", torch.bfloat16])
+def test_dora_in_bf16_and_under_autocast_is_bitwise_peft(dtype):
+    """peft casts the input to lora_A's dtype before the adapters (fp32 under autocast after a bf16
+    layer), and DoRA's weight norm is taken in the input's dtype: the Rust block does the same, so a
+    DoRA adapter and a plain one, both active, are bitwise peft's forward and backward."""
+    block = lora_block(seed=24, use_dora=True)
+    add_adapter(block, "b", 25, target_modules=["to_out.0", "net.2", "to_k"])
+    for layer in layers(block):
+        layer.set_adapter(["a", "b"] if "b" in layer.lora_A else ["a"])
+    x, c = inputs()
+    if dtype == torch.bfloat16:
+        block, x, c = block.to(dtype), x.to(dtype), c.to(dtype)
+    rust = RustTransformerBlock(block)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast-bf16"):
+        got = forward_backward(rust, block, x, c)
+        expected = forward_backward(block, block, x, c)
+    assert same(got, expected)
+
+
+def test_peft_input_cast_turned_off_is_refused_naming_it():
+    from peft.helpers import disable_input_dtype_casting
+
+    block = lora_block(seed=26, use_dora=True, target_modules=["to_out.0"])
+    rust = RustTransformerBlock(block)
+    x, c = inputs()
+    with torch.no_grad():
+        with disable_input_dtype_casting(block), pytest.raises(UnsupportedBlockError, match="peft's input cast off"):
+            call(rust, x, c)
+        assert torch.equal(call(rust, x, c), call(block, x, c))
+
+
 def expected_refusal(block) -> str:
     """What the drop-in must refuse in PEFT's current state (from PEFT's public state), or ''."""
     for layer in layers(block):

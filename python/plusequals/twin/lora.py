@@ -8,7 +8,8 @@ PEFT's forward (``lora.Linear.forward``), which the Rust block reproduces (``rus
   weight inside its forward: that is refused, naming the cause);
 * an adapter merged (``merged_adapters`` not empty): ``base_layer(x)``, whose weight holds the
   merged deltas (merge and unmerge write it in place, which the Rust block sees live);
-* otherwise ``base_layer(x)``, then for each active adapter that the layer has, in order,
+* otherwise ``base_layer(x)``, then for each active adapter that the layer has, in order, ``x``
+  cast to ``lora_A``'s dtype (``_cast_input_dtype``; refused when turned off) and
   ``result + lora_B(lora_A(dropout(x))) * scaling``: a LoRA term of the Rust block
   (:attr:`plusequals.twin.config.BlockConfig.lora`).
 
@@ -98,6 +99,11 @@ def read_lora(r: Any, lin: nn.Module, name: str, bias: bool, key: str) -> bool:
         return True
     if merged:
         return True  # PEFT: base_layer(x), whose weight holds the merged deltas
+    if w.get(lin, "cast_input_dtype_enabled", True) is False:
+        r.no(
+            f"{name} has peft's input cast off (cast_input_dtype_enabled=False, disable_input_dtype_casting): "
+            "the Rust block casts the input to lora_A's dtype, as peft's forward does by default"
+        )
     active = w.get(lin, "_active_adapter")
     for adapter in [active] if isinstance(active, str) else list(w.items(active)):
         if w.get(modules["lora_A"], adapter) is not None:
