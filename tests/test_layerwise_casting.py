@@ -92,6 +92,34 @@ def test_layerwise_casting_is_bitwise_the_library_forward_and_backward(compute, 
     assert rel_err(got[0].float(), uncast.float()) > 1e-3, "fp8 storage should change the output"
 
 
+def test_weights_of_two_dtypes_once_cast_are_refused_naming_layerwise_casting():
+    """A LoRA adapter added after enable_layerwise_casting is stored in fp8 by peft, outside the
+    hooks, and a compute dtype other than the model's leaves the norms in another dtype: diffusers'
+    own forward fails in both; the swapped block refuses, naming layerwise casting, weights intact."""
+    unet, reference = unets(torch.bfloat16)
+    for u in (unet, reference):
+        u.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.bfloat16)
+        with torch.random.fork_rng():
+            torch.manual_seed(3)
+            u.add_adapter(LoraConfig(r=2, init_lora_weights=False, target_modules=["to_q"]), adapter_name="late")
+    with pytest.raises(NotImplementedError):
+        step(reference, torch.bfloat16, grad=False)
+    stored = {n: p.dtype for n, p in unet.named_parameters()}
+    with pytest.raises(
+        UnsupportedBlockError, match=r"under diffusers' layerwise casting .* attn1.to_q.lora_A.late.weight"
+    ):
+        step(unet, torch.bfloat16, grad=False)
+    assert stored == {n: p.dtype for n, p in unet.named_parameters()}
+    block = lora_block(seed=33, target_modules=["to_q"])  # fp32, cast to bf16 for the call
+    apply_layerwise_casting(block, FP8, torch.bfloat16)
+    x, c = inputs()
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="same dtype"):
+            call(block, x, c)
+        with pytest.raises(UnsupportedBlockError, match=r"norm1.weight, norm1.bias, norm2.weight torch.float32"):
+            call(RustTransformerBlock(block), x, c)
+
+
 def test_layerwise_casting_fp16_compute_forward_and_the_backward_diffusers_fails():
     unet, reference = unets(torch.float16)
     for u in (unet, reference):

@@ -20,8 +20,9 @@ peft LoRA layer diffusers' ``PeftInputAutocastDisableHook`` (it turns off peft's
 to ``lora_A``'s dtype, which the Rust block never does). Refused, naming layerwise casting
 (:func:`refusals`): a LoRA layer whose ``lora_A`` is cast without that hook (peft would cast the
 input to the storage dtype), DoRA under casting (peft's DoRA reads the stored weights directly), and,
-at the call, weights of more than one dtype once cast (a compute dtype other than the uncast layers'
-dtype: diffusers' own forward fails there, its linear layers' dtypes differ). ``RustBlock.from_torch``
+at the call (:func:`mixed_dtypes`), weights of more than one dtype once cast: a compute dtype other
+than the uncast layers' dtype, or a LoRA adapter added after the casting (peft stores it in the
+storage dtype, outside the hooks); diffusers' own forward fails in both. ``RustBlock.from_torch``
 does not cast: it refuses a block with layerwise casting, naming the swap. A leaf.
 """
 
@@ -29,9 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator, List, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["accepted", "recast", "refusals", "window"]
+__all__ = ["accepted", "mixed_dtypes", "recast", "refusals", "window"]
 
 #: diffusers' registry names of the hooks that layerwise casting installs.
 CASTING, PEFT_INPUT = "layerwise_casting", "peft_autocast_disable"
@@ -68,6 +69,24 @@ def refusals(casting: Sequence[Tuple[str, Any, Any]], lora: Sequence[tuple]) -> 
             "directly, outside the casting hooks; enable layerwise casting after fusing the DoRA adapters, or not"
         )
     return reasons
+
+
+def mixed_dtypes(paths: Sequence[str], weights: Sequence[Any]) -> Optional[str]:
+    """Why the cast weights (``paths``, in the same order) cannot run: more than one dtype among them
+    during the call; None when they share one."""
+    dtypes: dict = {}
+    for path, weight in zip(paths, weights):
+        dtypes.setdefault(weight.dtype, []).append(path)
+    if len(dtypes) < 2:
+        return None
+    (common, _), *others = sorted(dtypes.items(), key=lambda kv: -len(kv[1]))
+    shown = "; ".join(f"{', '.join(names[:3])} {dtype}" for dtype, names in others)
+    return (
+        f"under diffusers' layerwise casting its weights are {common} during the call but {shown}: weights stored "
+        "outside the casting hooks (a LoRA adapter added after enable_layerwise_casting) or a compute dtype other "
+        "than the uncast layers' (diffusers' own forward fails there too); enable the casting last, in the "
+        "model's dtype"
+    )
 
 
 def _hooks(casting: Sequence[Tuple[str, Any, Any]]) -> List[Tuple[Any, Any]]:

@@ -178,6 +178,9 @@ class RustTransformerBlock(RustBlock):
         self._casting_now = True
         try:
             with casting.window(cast):
+                why = casting.mixed_dtypes(self._reading.paths, self._reading.weights())
+                if why:
+                    self._refuse(UnsupportedBlockError, why)
                 yield
         finally:
             self._casting_now = False
