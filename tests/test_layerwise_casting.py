@@ -6,14 +6,17 @@ in Rust, and runs the hooks' ``post_forward`` after. Asserted against the librar
 casting: bitwise output and gradients (the text, every parameter, LoRA's included), fp8 storage with
 fp32 or bf16 compute; fp16 compute forward (diffusers' own backward fails on the CPU there, as does the
 swapped one: asserted too). Refused, naming layerwise casting: ``RustBlock.from_torch`` (no cast),
-traced calls, DoRA under casting, and a peft layer cast without diffusers' input hook. A failed call
-leaves the weights stored as they were.
+traced calls, DoRA under casting, a peft layer cast without diffusers' input hook, and weights of two
+dtypes once cast (where diffusers' own forward fails). A failed call leaves the weights stored as they
+were. Generated sequences of casting, undoing it and peft's adapter changes are followed, bitwise.
 """
 
 import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import rel_err
 from plusequals import RustBlock, RustTransformerBlock, UnsupportedBlockError, swap_transformer_blocks
@@ -23,7 +26,7 @@ pytest.importorskip("diffusers", reason="needs the optional extra plusequals[dif
 from diffusers.hooks.layerwise_casting import apply_layerwise_casting, apply_layerwise_casting_hook  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
-from test_lora import DIM, call, inputs, lora_block  # noqa: E402
+from test_lora import DIM, add_adapter, call, inputs, layers, lora_block  # noqa: E402
 from test_sd_features import make_unet  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -179,3 +182,54 @@ def test_hooks_added_after_the_swap_are_followed():
         apply_layerwise_casting(block, FP8, torch.float32)
         got = call(rust, x, c)
         assert torch.equal(got, call(block, x, c)) and not torch.equal(got, plain)
+
+
+CAST_OPS = st.one_of(
+    st.tuples(st.just("cast"), st.sampled_from([FP8, torch.float8_e5m2, torch.bfloat16])),
+    st.tuples(st.just("uncast"), st.none()),
+    st.tuples(st.just("set_adapter"), st.sampled_from(["a", "b", ("a", "b")])),
+    st.tuples(st.just("enable"), st.booleans()),
+    st.tuples(st.just("set_scale"), st.sampled_from([0.0, 0.5, 2.0])),
+    st.tuples(st.just("train"), st.booleans()),
+)
+
+
+def apply_cast_op(block, op, state):
+    kind, arg = op
+    cast = any("_diffusers_hook" in m.__dict__ for m in block.modules())
+    if kind == "cast" and not cast:
+        apply_layerwise_casting(block, arg, torch.float32)
+    elif kind == "uncast" and cast:  # diffusers cannot undo it: by hand (test_sd_features.undo_layerwise_casting)
+        for m in block.modules():
+            m.__dict__.pop("_diffusers_hook", None)
+            m.__dict__.pop("forward", None)
+        block.to(torch.float32)
+        block.load_state_dict(state)
+    elif kind == "train":
+        block.train(arg)
+    elif kind in ("set_adapter", "enable", "set_scale"):
+        for layer in layers(block):
+            if kind == "set_adapter":
+                names = [arg] if isinstance(arg, str) else list(arg)
+                layer.set_adapter([n for n in names if n in layer.lora_A] or ["a"])
+            elif kind == "enable":
+                layer.enable_adapters(arg)
+            else:
+                layer.set_scale("a", arg)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(CAST_OPS, min_size=1, max_size=8))
+def test_casting_and_adapter_changes_are_followed_never_stale(ops):
+    """Generated sequences of enabling and undoing layerwise casting (storage dtypes drawn) and of
+    peft's adapter changes, on a block with two LoRA adapters: each call equals the library's, bitwise."""
+    block = lora_block(seed=34, target_modules=["to_q", "to_v", "proj"])
+    add_adapter(block, "b", 35, r=2, target_modules=["to_k", "net.2"])
+    block.eval()
+    state = {k: v.clone() for k, v in block.state_dict().items()}
+    rust = RustTransformerBlock(block)
+    x, c = inputs(seed=36)
+    with torch.no_grad():
+        for op in ops:
+            apply_cast_op(block, op, state)
+            assert torch.equal(call(rust, x, c), call(block, x, c)), op
