@@ -11,7 +11,7 @@ forward's maths: between the two casts the layer computes on weights of the comp
 values are the stored ones. So the swapped block (``RustTransformerBlock``, twin/swap.py) runs the
 hooks' own ``pre_forward`` on every hooked module of the block, computes in Rust on those weights,
 and runs their ``post_forward`` after (also when the call raises): the same values in the same
-dtype, bitwise diffusers' output and gradients on the CPU (``tests/test_sd_features.py``). The casts
+dtype, bitwise diffusers' output and gradients on the CPU (``tests/test_layerwise_casting.py``). The casts
 happen together around the block instead of layer by layer, which changes no value: a tensor a
 layer saves for backward is a view taken at that layer's call in both, of the compute-dtype data.
 
