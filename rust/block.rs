@@ -416,8 +416,7 @@ impl BasicTransformerBlock {
             w.extend([&n.weight, &n.bias]);
         }
         for t in self.lora_terms() {
-            w.extend([&t.a, &t.b]);
-            w.extend(t.b_bias.as_ref());
+            w.extend(t.tensors());
         }
         for ip in &self.attn2.ip_adapter {
             w.extend([&ip.to_k.weight, &ip.to_v.weight]);
@@ -452,8 +451,7 @@ impl BasicTransformerBlock {
             keys.extend([format!("{norm}.weight"), format!("{norm}.bias")]);
         }
         for t in self.lora_terms() {
-            keys.extend([format!("{}.A.weight", t.key), format!("{}.B.weight", t.key)]);
-            keys.extend(t.b_bias.as_ref().map(|_| format!("{}.B.bias", t.key)));
+            keys.extend(t.keys());
         }
         keys
     }

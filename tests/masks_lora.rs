@@ -101,7 +101,7 @@ fn lora_terms_equal_the_merged_weights() -> plusequals::Result<()> {
             merged.insert(key.clone(), &merged[&key] + &b_bias * scaling);
             weights.insert(format!("{linear}.lora.{i}.B.bias"), b_bias);
         }
-        lora.push(LoraSpec { linear: linear.to_string(), rank, scaling, bias });
+        lora.push(LoraSpec { linear: linear.to_string(), rank, scaling, bias, dora: false });
     }
     let cfg = BlockConfig { lora, ..small_config(Attention::Sdpa) };
     let (x, c) = small_inputs()?;
@@ -116,7 +116,7 @@ fn lora_terms_equal_the_merged_weights() -> plusequals::Result<()> {
 
 #[test]
 fn lora_weights_are_taken_by_key_and_the_cpp_twin_refuses_them() -> plusequals::Result<()> {
-    let spec = LoraSpec { linear: "attn2.to_k".into(), rank: 2, scaling: 1.0, bias: false };
+    let spec = LoraSpec { linear: "attn2.to_k".into(), rank: 2, scaling: 1.0, bias: false, dora: false };
     let cfg = BlockConfig { lora: vec![spec], ..small_config(Attention::Sdpa) };
     let err = BasicTransformerBlock::from_weights(small_weights(0)?, &cfg).err();
     assert!(matches!(err, Some(Error::MissingWeight(k)) if k == "attn2.to_k.lora.0.A.weight"));
@@ -171,5 +171,43 @@ fn ip_adapter_terms_scales_and_refusals() -> plusequals::Result<()> {
     let cfg = BlockConfig { ip_adapter: vec![1.0, 1.0], ..small_config(Attention::Sdpa) };
     let w: Vec<(String, Tensor)> = w.into_iter().collect();
     assert!(CppBlock::from_weights(&w, &cfg).is_err_and(|e| e.to_string().contains("no IP-Adapter")));
+    Ok(())
+}
+
+/// Issue 34: a DoRA term (`LoraSpec::dora`) equals the linear layer whose weight is DoRA's merged
+/// one, `m / ‖W + s·BA‖ * (W + s·BA)` row by row (the bias unscaled), within 1e-5; its magnitude
+/// is taken by key, with the layer's output width.
+#[test]
+fn dora_terms_equal_their_merged_weights() -> plusequals::Result<()> {
+    let mut n = Normal::new(35);
+    let (linear, d_in, d_out, rank, scaling) = ("ff.net.2", 128, 32, 3, 1.5);
+    let spec = LoraSpec { linear: linear.into(), rank, scaling, bias: false, dora: true };
+    let cfg = BlockConfig { lora: vec![spec], ..small_config(Attention::Sdpa) };
+    let (a, b, m) = (n.tensor(&[rank, d_in], 0.3)?, n.tensor(&[d_out, rank], 0.3)?, n.tensor(&[d_out], 1.0)?);
+    let parts = [("A.weight", &a), ("B.weight", &b), ("magnitude", &m)];
+    for (given, missing) in [(0, "A.weight"), (2, "magnitude")] {
+        let mut w = small_weights(0)?;
+        w.extend(parts[..given].iter().map(|(p, t)| (format!("{linear}.lora.0.{p}"), t.shallow_clone())));
+        let err = BasicTransformerBlock::from_weights(w, &cfg).err();
+        assert!(matches!(err, Some(Error::MissingWeight(k)) if k == format!("{linear}.lora.0.{missing}")));
+    }
+    let mut weights = small_weights(0)?;
+    weights.extend(parts.iter().map(|(p, t)| (format!("{linear}.lora.0.{p}"), t.shallow_clone())));
+    let mut merged: HashMap<String, Tensor> = small_weights(0)?;
+    let updated = &merged[&format!("{linear}.weight")] + b.matmul(&a) * scaling;
+    let norm = updated.linalg_norm(2, [1i64].as_slice(), true, None);
+    merged.insert(format!("{linear}.weight"), &updated * (m.view([-1, 1]) / norm));
+    let (x, c) = small_inputs()?;
+    let dora = BasicTransformerBlock::from_weights(weights, &cfg)?;
+    let keys = dora.weight_keys();
+    assert_eq!(
+        keys[keys.len() - 3..],
+        ["ff.net.2.lora.0.A.weight", "ff.net.2.lora.0.B.weight", "ff.net.2.lora.0.magnitude"]
+    );
+    let with_dora = dora.forward(&x, Some(&c))?;
+    let reference =
+        BasicTransformerBlock::from_weights(merged, &small_config(Attention::Sdpa))?.forward(&x, Some(&c))?;
+    assert!(rel_err(&with_dora, &reference) <= 1e-5, "{}", rel_err(&with_dora, &reference));
+    assert!(rel_err(&with_dora, &block(Attention::Sdpa).forward(&x, Some(&c))?) > 1e-3, "the term changes the output");
     Ok(())
 }

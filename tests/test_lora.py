@@ -215,24 +215,26 @@ def test_dropout_is_the_identity_in_eval_and_refused_in_training():
         assert torch.equal(call(rust, x, c), call(block, x, c))
 
 
-def test_dora_is_refused_naming_the_cause():
-    block = lora_block(seed=11, use_dora=True)
-    with pytest.raises(UnsupportedBlockError, match=r"attn1.to_q adapter 'a' is DoRA \(use_dora=True\)"):
-        RustTransformerBlock(block)
+def test_lora_variants_other_than_dora_are_refused_naming_them():
+    """DoRA runs in the Rust block (tests/test_dora.py); another variant (MiCA here) is refused by its
+    class, read or added after the read, and the block runs again once it is inactive."""
+    variant = r"attn1.to_q adapter 'a' is peft.tuners.lora.variants.MiCALinearVariant, a LoRA variant"
+    with pytest.raises(UnsupportedBlockError, match=variant):
+        RustTransformerBlock(lora_block(seed=11, init_lora_weights="mica"))
     plain = lora_block(seed=12)
     rust = RustTransformerBlock(plain)
-    add_adapter(plain, "dora", 13, use_dora=True, target_modules=["to_k"])  # after the read; peft activates it
+    add_adapter(plain, "mica", 13, init_lora_weights="mica", target_modules=["to_k"])  # after the read; active
     x, c = inputs()
     with torch.no_grad():
-        with pytest.raises(UnsupportedBlockError, match="attn1.to_k adapter 'dora' is DoRA"):
+        with pytest.raises(UnsupportedBlockError, match="attn1.to_k adapter 'mica' is .*MiCALinearVariant"):
             call(rust, x, c)
         for layer in layers(plain):
             layer.set_adapter("a")
-        assert torch.equal(call(rust, x, c), call(plain, x, c))  # 'dora' is there, inactive
+        assert torch.equal(call(rust, x, c), call(plain, x, c))  # 'mica' is there, inactive
         for layer in layers(plain):
-            if "dora" in layer.lora_A:
-                layer.set_adapter("dora")
-        with pytest.raises(UnsupportedBlockError, match="adapter 'dora' is DoRA"):
+            if "mica" in layer.lora_A:
+                layer.set_adapter("mica")
+        with pytest.raises(UnsupportedBlockError, match="adapter 'mica' is .*a LoRA variant"):
             call(rust, x, c)
 
 

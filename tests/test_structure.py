@@ -305,8 +305,8 @@ def test_from_state_dict_follows_its_tensors_not_the_mapping():
 
 def test_a_peft_layer_it_does_not_compute_is_refused_with_its_qualified_class_and_only_true_causes():
     """LoRA runs in Rust (tests/test_lora.py); LoHa, another peft tuner, is refused for its class,
-    named with its module, with no second-hand reasons about its parameters or widths; DoRA, a
-    LoRA variant, is refused with its one cause."""
+    named with its module, with no second-hand reasons about its parameters or widths; MiCA, a
+    LoRA variant other than DoRA (which runs: tests/test_dora.py), is refused with its one cause."""
     pytest.importorskip("peft", reason="needs the optional extra plusequals[diffusers]")
     pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
     from diffusers.models.attention import BasicTransformerBlock as DiffusersBlock
@@ -329,9 +329,11 @@ def test_a_peft_layer_it_does_not_compute_is_refused_with_its_qualified_class_an
         swap_transformer_blocks(unet)
     assert "normalises over" not in str(info.value)
 
-    dora = DiffusersBlock(32, 4, 8, cross_attention_dim=24, activation_fn="geglu").eval()
-    inject_adapter_in_model(LoraConfig(r=4, target_modules=["attn1.to_q"], use_dora=True), dora)
+    mica = DiffusersBlock(32, 4, 8, cross_attention_dim=24, activation_fn="geglu").eval()
+    with torch.random.fork_rng():  # peft initialises the adapter from the global generator: left as it was
+        inject_adapter_in_model(LoraConfig(r=4, target_modules=["attn1.to_q"], init_lora_weights="mica"), mica)
     with pytest.raises(ValueError) as info:
-        RustBlock.from_torch(dora.eval())
+        RustBlock.from_torch(mica.eval())
     message = str(info.value)
-    assert "attn1.to_q adapter 'default' is DoRA (use_dora=True)" in message and message.count(";") == 0, message
+    variant = "attn1.to_q adapter 'default' is peft.tuners.lora.variants.MiCALinearVariant, a LoRA variant"
+    assert variant in message and message.count(";") == 0, message

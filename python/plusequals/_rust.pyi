@@ -77,7 +77,7 @@ class Block:
         gated_ff: bool = True,
         attention: str = "sdpa",
         language: str = "rust",
-        lora: Sequence[Tuple[str, int, float, bool]] = ...,
+        lora: Sequence[Tuple[str, int, float, bool, bool]] = ...,
         ip_adapter: Sequence[float] = ...,
     ) -> Block: ...
     def forward(

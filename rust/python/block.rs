@@ -38,11 +38,13 @@ impl PyBlock {
         gated_ff: bool,
         attention: &str,
         language: &str,
-        lora: Vec<(String, i64, f64, bool)>,
+        lora: Vec<(String, i64, f64, bool, bool)>,
         ip_adapter: Vec<f64>,
     ) -> PyResult<Self> {
-        let lora =
-            lora.into_iter().map(|(linear, rank, scaling, bias)| LoraSpec { linear, rank, scaling, bias }).collect();
+        let lora = lora
+            .into_iter()
+            .map(|(linear, rank, scaling, bias, dora)| LoraSpec { linear, rank, scaling, bias, dora })
+            .collect();
         let attention = attention.parse().map_err(to_py)?;
         let cfg = BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention, lora, ip_adapter };
         let mut weights: Vec<(String, Tensor)> = weights.into_iter().map(|(k, v)| (k, v.0)).collect();

@@ -60,6 +60,7 @@ class RustBlock(nn.Module):
     """
 
     LANGUAGE = "rust"  # which twin computes: rust/block.rs, or cpp/block.cpp (CppBlock)
+    CASTS_LAYERWISE = False  # whether its forward runs diffusers' layerwise casting (the swap's does: twin/casting.py)
 
     def __init__(self, inner: Any = None, device: Optional[torch.device] = None) -> None:
         if inner is None:
@@ -87,6 +88,7 @@ class RustBlock(nn.Module):
         self._code_ok: Optional[Dict[str, Any]] = None
         self._code_changes: List[str] = []
         self._lora_layers: Tuple[str, ...] = ()  # peft LoRA layers in the last reading: never traced
+        self._casting = False  # diffusers' layerwise casting in the last reading (twin/casting.py): never traced
         self._entry: Any = None  # the hot path's entry into Rust (_rebind)
         self._rebind()
 
@@ -201,8 +203,10 @@ class RustBlock(nn.Module):
                 f"{self._where()}: the Rust block cannot reproduce this block exactly: {'; '.join(reading.reasons)}. "
                 "It computes the SD v1 block (see plusequals.twin.faithful) and calls no submodule."
             )
+        if reading.casting and not self.CASTS_LAYERWISE:
+            self._refuse(UnsupportedBlockError, _NO_CASTING)  # a ValueError too, as from_torch's
         self._config = reading.spec._replace(language=self.LANGUAGE)
-        self._lora_layers = reading.lora_layers
+        self._lora_layers, self._casting = reading.lora_layers, bool(reading.casting)
         self._paths = reading.paths
         self._guards = [(obj, name, value, not isinstance(value, _SCALARS)) for obj, name, value in reading.watch.attrs]
         if traced:
@@ -246,7 +250,7 @@ class RustBlock(nn.Module):
                     f"it in {weight.dtype} on {weight.device}",
                 )
             return
-        reason = probe(self._source, self._twin.inner.forward, self._config, weight)
+        reason = probe(self._source, self._probe_forward(), self._config, weight)
         if reason:
             if reading.unknown:
                 classes = ", ".join(reading.unknown)
@@ -257,6 +261,10 @@ class RustBlock(nn.Module):
         self._probe_pending = False
         self._code_ok = {n.label: n.value for n in reading.watch.code}
         self._code_changes = []
+
+    def _probe_forward(self) -> Any:
+        """The Rust block's forward, for the probe (the swap casts around it: twin/casting.py)."""
+        return self._twin.inner.forward
 
     def _refuse(self, error: type, why: str) -> None:
         self._reading = None
@@ -283,6 +291,8 @@ class RustBlock(nn.Module):
                     raise UnsupportedBlockError(f"{self._where()}: {type(obj).__name__}.{name} changed while traced")
             if self._config is not None and self._config.ip_adapter:  # the ops take no image embeddings
                 raise UnsupportedBlockError(f"{self._where()}: a block with an IP-Adapter (attn2) cannot be traced")
+            if self._casting:
+                raise UnsupportedBlockError(f"{self._where()}: {_NO_TRACED_CASTING}")
             if self._lora_layers:  # merged or disabled too: a traced graph would not see them change
                 raise UnsupportedBlockError(
                     f"{self._where()}: a block with LoRA adapters ({', '.join(self._lora_layers)}) cannot be traced "
@@ -545,6 +555,15 @@ class CppBlock(RustBlock):
 
 
 _SCALARS = (int, float, str, bool, tuple, type(None))
+_NO_CASTING = (
+    "diffusers' layerwise casting (enable_layerwise_casting) is on, and RustBlock.from_torch does not cast the "
+    "stored weights around each call; swap the block (swap_transformer_blocks, RustTransformerBlock), which does"
+)
+_NO_TRACED_CASTING = (
+    "a block under diffusers' layerwise casting cannot be traced (torch.compile, torch.export, FakeTensor) or run "
+    "under a mode or with tensor subclasses: the custom ops would take the stored low-precision weights; call it "
+    "eagerly on plain tensors"
+)
 _MISSING = object()
 
 

@@ -19,10 +19,10 @@ class BlockConfig(NamedTuple):
     gated_ff: bool
     attention: str  # "sdpa" or "einsum"
     language: str = "rust"  # "rust" (rust/block.rs) or "cpp" (cpp/block.cpp)
-    # The PEFT LoRA terms on the linear layers (rust/block.rs, LoraSpec): (linear's CompVis key,
-    # rank, scaling, whether lora_B has a bias), in the order they are added. Not a custom-op
-    # argument: a block with LoRA terms is refused where the custom ops would run.
-    lora: Tuple[Tuple[str, int, float, bool], ...] = ()
+    # The PEFT LoRA terms on the linear layers (rust/linear.rs, LoraSpec): (linear's CompVis key,
+    # rank, scaling, whether lora_B has a bias, whether it is DoRA), in the order they are added.
+    # Not a custom-op argument: a block with LoRA terms is refused where the custom ops would run.
+    lora: Tuple[Tuple[str, int, float, bool, bool], ...] = ()
     # IP-Adapter on attn2 (rust/block.rs, IpAdapter): one scale per adapter. Not a custom-op
     # argument either: refused where the custom ops would run.
     ip_adapter: Tuple[float, ...] = ()
@@ -39,11 +39,13 @@ class BlockConfig(NamedTuple):
         return tuple(self)[:7]
 
 
-def lora_keys(lora: Tuple[Tuple[str, int, float, bool], ...]) -> Tuple[str, ...]:
-    """The LoRA terms' weights by key (``{linear}.lora.{i}.A.weight``, ``.B.weight``, ``.B.bias``)."""
+def lora_keys(lora: Tuple[Tuple[str, int, float, bool, bool], ...]) -> Tuple[str, ...]:
+    """The LoRA terms' weights by key (``{linear}.lora.{i}.A.weight``, ``.B.weight``, ``.B.bias``,
+    and DoRA's ``.magnitude``)."""
     keys = []
-    for i, (linear, _, _, bias) in enumerate(lora):
-        keys += [f"{linear}.lora.{i}.A.weight", f"{linear}.lora.{i}.B.weight"] + ([f"{linear}.lora.{i}.B.bias"] * bias)
+    for i, (linear, _, _, bias, dora) in enumerate(lora):
+        parts = ["A.weight", "B.weight"] + ["B.bias"] * bias + ["magnitude"] * dora
+        keys += [f"{linear}.lora.{i}.{part}" for part in parts]
     return tuple(keys)
 
 

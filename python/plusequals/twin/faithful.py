@@ -18,7 +18,8 @@ three times, with
 * a feed-forward of width ``4 * dim``: GEGLU with the exact GELU (SD v1), or a linear layer and
   the exact GELU (``nn.GELU()``, diffusers' ``activation_fn="gelu"``), then a linear layer with a bias;
 * every ``nn.Dropout`` at ``p == 0``, or in eval mode (where dropout is the identity);
-* no hooks (the Rust block would bypass them), no buffers, and exactly the expected parameters.
+* no hooks (the Rust block would bypass them) but diffusers' layerwise casting (:mod:`plusequals.twin.casting`),
+  no buffers, and exactly the expected parameters.
 
 Anything else is refused, naming the module path and the cause; so are torch's global module
 hooks, which fire on every submodule (observers such as FlopCounterMode's ModuleTracker
@@ -47,6 +48,7 @@ import torch
 from torch import nn
 
 from ..model import blocks
+from . import casting
 from .config import BlockConfig, rust_keys
 from .dispatch import tracing_tensor
 from .ip_adapter import IP_ADAPTER_PROCESSORS, read_ip_adapter
@@ -92,6 +94,7 @@ class Reading:
     watch: Watch
     unknown: Tuple[str, ...]  # classes this module does not know (then the probe runs)
     lora_layers: Tuple[str, ...] = ()  # the paths of peft LoRA layers (twin/lora.py), active or not
+    casting: Tuple[Tuple[str, nn.Module, Any], ...] = ()  # diffusers' layerwise casting hooks (twin/casting.py)
 
     def weights(self) -> List[torch.Tensor]:
         return [owner._parameters[name] for owner, name in self.slots]
@@ -129,9 +132,10 @@ def _known_classes() -> set:
         blocks.GEGLU,
     }
     if "peft.tuners.lora.layer" in sys.modules:
+        from peft.tuners.lora.dora import DoraLinearLayer
         from peft.tuners.lora.layer import Linear as LoraLinear
 
-        known |= {LoraLinear, nn.ModuleDict, nn.ParameterDict, nn.Identity}
+        known |= {LoraLinear, DoraLinearLayer, nn.ModuleDict, nn.ParameterDict, nn.Identity}
     if "diffusers.models.attention" in sys.modules:
         attention, processor, activations = _diffusers_modules()
         known |= {
@@ -156,7 +160,7 @@ class _Reader:
         self.wrapped: List[str] = []
         self.accounted: set = set()
         self.skip_dropouts: set = set()
-        self.lora: List[Tuple[str, int, float, bool]] = []
+        self.lora: List[Tuple[str, int, float, bool, bool]] = []
         self.ip_adapter: List[float] = []  # attn2's IP-Adapter scales (twin/ip_adapter.py; BlockConfig.ip_adapter)
         self.called: List[Any] = []  # what the forward calls besides modules (diffusers' processors)
 
@@ -272,7 +276,7 @@ class _Reader:
                 params += [n for n, p in m._parameters.items() if p is not None]
                 buffers += [n for n, b in m._buffers.items() if b is not None]
                 continue
-            kinds = self.w.hooks_of(m)
+            kinds = self.w.hooks_of(m, path)
             if kinds:
                 self.no(f"{path} has {', '.join(kinds)}, which the Rust block would bypass")
             if id(m) in self.skip_dropouts:
@@ -295,6 +299,7 @@ class _Reader:
             self.no(f"parameters missing: {', '.join(missing[:4])}{more(missing)}")
         if buffers:
             self.no(f"it has buffers {buffers[:4]}, which the Rust block does not use")
+        self.reasons += casting.refusals(self.w.casting, self.lora)
 
     def result(self, spec: Optional[BlockConfig], unknown: Tuple[str, ...] = ()) -> Reading:
         slots, paths = [], []
@@ -306,7 +311,10 @@ class _Reader:
                 slots.append((owner, name))
                 paths.append(path)
         reasons = list(dict.fromkeys(self.reasons))  # a dropout is seen by its slot and by the tree walk
-        return Reading(spec, tuple(slots), tuple(paths), reasons, self.w.seal(), unknown, tuple(self.wrapped))
+        watch = self.w.seal()
+        return Reading(
+            spec, tuple(slots), tuple(paths), reasons, watch, unknown, tuple(self.wrapped), tuple(watch.casting)
+        )
 
 
 def _not_a_block(block: Any, why: str) -> TypeError:

@@ -26,6 +26,7 @@ diffusers is optional: this module imports it only when a function needs it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
@@ -33,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UnsupportedBlockError
+from . import casting
 from .arguments import check_tensor
 from .block import ADOPT, RustBlock, _functorch_weights
 from .config import rust_keys
@@ -104,8 +106,12 @@ class RustTransformerBlock(RustBlock):
     three residuals added in place). It follows its parameters and submodules exactly as a
     ``RustBlock`` made with ``from_torch`` does (one mechanism: ``RustBlock._ensure_current``).
 
-    Build it with :func:`swap_transformer_blocks`, which checks the block first.
+    Build it with :func:`swap_transformer_blocks`, which checks the block first. diffusers'
+    layerwise casting runs around each call (twin/casting.py).
     """
+
+    CASTS_LAYERWISE = True
+    _casting_now = False  # inside diffusers' casts (_cast)
 
     def __init__(self, block: nn.Module, path: str = "", owned: bool = False) -> None:
         super().__init__(ADOPT)
@@ -143,8 +149,74 @@ class RustTransformerBlock(RustBlock):
     ) -> Tensor:
         # timestep, class_labels and added_cond_kwargs are read only by the ada-norm kinds;
         # diffusers' block of the layer_norm kind ignores them, and so does this one.
-        where = self._where()
         masks = {"attention_mask": attention_mask, "encoder_attention_mask": encoder_attention_mask}
+        cast = self._layerwise_casting()
+        pair = isinstance(encoder_hidden_states, (tuple, list)) and len(encoder_hidden_states) > 0
+        context = encoder_hidden_states[0] if pair else encoder_hidden_states
+        if not cast or symbolic(hidden_states, context) or seen_by_python(hidden_states, context, dispatch_modes=True):
+            # traced, fake or seen by Python: refused where the custom ops take the weights (_traced_weights)
+            return self._forward(hidden_states, encoder_hidden_states, masks, cross_attention_kwargs, kwargs)
+        with self._cast(cast):  # diffusers' hooks' own casts, around the whole block (twin/casting.py)
+            self._ensure_current()
+            return self._forward(hidden_states, encoder_hidden_states, masks, cross_attention_kwargs, kwargs)
+
+    def _layerwise_casting(self, error: type = UnsupportedBlockError) -> tuple:
+        """diffusers' layerwise casting hooks in the block (twin/casting.py), from a current reading
+        (a stale one is read again first; with hooks, :meth:`_ensure_current` builds inside the
+        casts), or () inside the casts."""
+        if self._source is None or self._casting_now or torch.compiler.is_compiling():
+            return ()  # traced: refused where the custom ops take the weights (RustBlock._traced_weights)
+        reading = self._reading
+        if reading is None or not reading.watch.unchanged():
+            self._reread(error)
+            if not self._reading.casting:
+                RustBlock._ensure_current(self, error)  # nothing to cast: built now, on the new reading
+        return self._reading.casting
+
+    @contextlib.contextmanager
+    def _cast(self, cast: tuple) -> Iterator[None]:
+        self._casting_now = True
+        try:
+            with casting.window(cast):
+                why = casting.mixed_dtypes(self._reading.paths, self._reading.weights())
+                if why:
+                    self._refuse(UnsupportedBlockError, why)
+                yield
+        finally:
+            self._casting_now = False
+
+    def _probe_forward(self) -> Any:
+        """The probe runs the library's block first, whose hooks store the weights again after each
+        layer: the Rust block's half casts them again (diffusers' pre_forward) before it runs."""
+        forward = super()._probe_forward()
+        if not self._casting_now:
+            return forward
+        cast = self._reading.casting
+
+        def cast_forward(*args: Any, **kwargs: Any) -> Any:
+            casting.recast(cast)
+            return forward(*args, **kwargs)
+
+        return cast_forward
+
+    def _ensure_current(self, error: type = UnsupportedBlockError) -> None:
+        """RustBlock's, with the Rust block built on the weights cast to the compute dtype when the
+        block has layerwise casting (they are stored in another dtype between calls)."""
+        cast = self._layerwise_casting(error)
+        if not cast:
+            return super()._ensure_current(error)
+        with self._cast(cast):
+            super()._ensure_current(error)
+
+    def _forward(
+        self,
+        hidden_states: Tensor,
+        encoder_hidden_states: Any,
+        masks: Dict[str, Any],
+        cross_attention_kwargs: Optional[Dict[str, Any]],
+        kwargs: Dict[str, Any],
+    ) -> Tensor:
+        where = self._where()
         for (name, mask), attn in zip(masks.items(), ("attn1", "attn2")):
             if isinstance(mask, Tensor) and (mask.dtype == torch.bool or mask.dim() == 2):
                 self._check_mask_for_processor(name, mask, attn)

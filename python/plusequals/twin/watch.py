@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .. import _rust
+from . import casting
 from .reads import Note, code_reads
 
 __all__ = ["Watch", "class_name", "global_hook_kinds"]
@@ -94,6 +95,7 @@ class Watch:
         "globals",
         "lists",
         "code",
+        "casting",
         "rust",
         "_seen",
         "_lseen",
@@ -115,6 +117,7 @@ class Watch:
         self.globals: List[dict] = list(_global_hooks().values())
         self.lists: List[Tuple[list, List[Any]]] = []  # lists whose items are watched (PEFT's merged_adapters)
         self.code: List[Note] = []  # what the forward's code reads: classes and module globals (twin/reads.py)
+        self.casting: List[Tuple[str, nn.Module, Any]] = []  # layerwise casting's hooks: (path, module, hook)
         self.rust: Any = None  # the Rust watch, made by seal()
         # (object, name, value) of every non-tensor value: what a traced forward compares, so
         # that torch.compile guards on it (tensors reach the custom op as arguments instead).
@@ -221,8 +224,10 @@ class Watch:
         self._sized(obj.__dict__)
         return name in obj.__dict__
 
-    def hooks_of(self, module: nn.Module) -> List[str]:
-        """The kinds of hooks ``module`` has; its hook dicts are watched for new ones."""
+    def hooks_of(self, module: nn.Module, path: str = "") -> List[str]:
+        """The kinds of hooks ``module`` (at ``path``) has; its hook dicts are watched for new ones.
+        diffusers' layerwise casting hooks are no refusal but noted in :attr:`casting`
+        (twin/casting.py), each by identity."""
         kinds = []
         for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
             hooks = module.__dict__.get(attr)
@@ -233,7 +238,13 @@ class Watch:
         if self.get(module, "_hf_hook") is not None:
             kinds.append("accelerate _hf_hook")
         diffusers_hooks = self.diffusers_hooks(module)
-        kinds += [_DIFFUSERS_HOOKS.get(n, f"diffusers' {n!r} hook (a forward override)") for n in diffusers_hooks]
+        hooks = self.get(self.get(module, "_diffusers_hook"), "hooks")
+        for name in diffusers_hooks:
+            hook = self.entry(hooks, name)
+            if casting.accepted(name, hook):
+                self.casting.append((path, module, hook))
+            else:
+                kinds.append(_DIFFUSERS_HOOKS.get(name, f"diffusers' {name!r} hook (a forward override)"))
         if self.in_dict(module, "forward") and not diffusers_hooks:  # a diffusers hook's is named above
             kinds.append("an instance-level forward override")
         return kinds
@@ -268,13 +279,10 @@ class Watch:
 
 
 # diffusers' hooks (diffusers.hooks, by registry name) that the reader names; any other one is
-# named by its registry name.
+# named by its registry name. Layerwise casting's own classes are accepted (twin/casting.py).
 _DIFFUSERS_HOOKS = {
-    "layerwise_casting": (
-        "diffusers' layerwise casting hook (enable_layerwise_casting: weights stored in a low-precision dtype, "
-        "cast to the compute dtype around each call)"
-    ),
-    "peft_input_autocast_disable": ("diffusers' layerwise casting hook for peft layers (enable_layerwise_casting)"),
+    "layerwise_casting": "diffusers' layerwise casting hook of a class of its own (not LayerwiseCastingHook)",
+    "peft_autocast_disable": "diffusers' layerwise casting hook for peft layers, of a class of its own",
 }
 
 # What a module's __dict__ holds besides its own state: watched on their own (Watch.module, hooks_of).
