@@ -14,6 +14,7 @@ Everything else is refused with an :class:`UnsupportedBlockError` naming the cau
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Dict, List, Optional
 
@@ -26,7 +27,7 @@ from .dispatch import seen_by_python, symbolic
 from .hooks import run_under_saved_tensor_hooks
 from .ip_adapter import split_tensor_context
 
-__all__ = ["eager_extras", "forward_ip", "functorch_weights"]
+__all__ = ["eager_extras", "forward_ip", "forward_tuple", "functorch_weights"]
 
 
 def functorch_weights(block: Any) -> bool:
@@ -60,6 +61,33 @@ def forward_ip(block: Any, x: Tensor, context: Any, masks: Dict[str, Any], image
         )
     call = functools.partial(block._call, ip_adapter=images, **given)
     return run_under_saved_tensor_hooks(call, "forward", x, context)
+
+
+def forward_tuple(block: Any, x: Tensor, pair: Any, masks: Dict[str, Any], donate: Optional[bool] = None) -> Tensor:
+    """``encoder_hidden_states`` as diffusers' UNet passes it when an IP-Adapter is loaded
+    (``encoder_hid_dim_type="ip_image_proj"``): ``(text embeddings, [image embeddings])``, for attn2's
+    IP-Adapter processor. Without one, or malformed, refused naming the cause, never a TypeError from
+    the boundary. ``donate``: from ``forward_owned`` (False: the same sums, grad off; True: refused)."""
+    block._ensure_current()
+    processor = type(getattr(block._modules.get("attn2"), "processor", None)).__name__
+    where = block._where()
+    if not block._config.ip_adapter:
+        raise UnsupportedBlockError(
+            f"{where}: encoder_hidden_states is a {type(pair).__name__}, IP-Adapter's (text embeddings, image "
+            f"embeddings) that diffusers' UNet passes when an IP-Adapter is loaded, but attn2's processor is "
+            f"{processor}, which takes one tensor"
+        )
+    if len(pair) != 2 or not isinstance(pair[1], (tuple, list)):
+        raise UnsupportedBlockError(
+            f"{where}: encoder_hidden_states must be (text embeddings, [image embeddings per adapter]) for attn2's "
+            f"{processor}"
+        )
+    if donate:
+        raise UnsupportedBlockError(f"{where}: a donation takes no IP-Adapter image embeddings; pass donate=False")
+    for i, image in enumerate(pair[1]):
+        check_tensor(f"encoder_hidden_states[1][{i}]", image)
+    with torch.no_grad() if donate is False else contextlib.nullcontext():
+        return forward_ip(block, x, pair[0], masks, list(pair[1]))
 
 
 def eager_extras(block: Any, x: Tensor, context: Optional[Tensor], masks: Dict[str, Any]) -> Optional[Tensor]:

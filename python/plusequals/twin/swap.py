@@ -32,8 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UnsupportedBlockError
-from .adapters import forward_ip
-from .arguments import check_tensor
+from .adapters import forward_tuple
 from .block import ADOPT, RustBlock
 from .config import rust_keys
 from .faithful import SUPPORTED_PROCESSORS, read_block
@@ -154,32 +153,10 @@ class RustTransformerBlock(RustBlock):
         if kwargs:
             raise TypeError(f"{where}: unexpected keyword arguments {sorted(kwargs)}")
         if isinstance(encoder_hidden_states, (tuple, list)):
-            context, images = self._image_embeddings(encoder_hidden_states)
-            return forward_ip(self, hidden_states, context, masks, images)
+            return forward_tuple(self, hidden_states, encoder_hidden_states, masks)
         if self.owned and not torch.is_grad_enabled():
             return RustBlock.forward_owned(self, hidden_states, encoder_hidden_states, donate=False, **masks)
         return RustBlock.forward(self, hidden_states, encoder_hidden_states, **masks)
-
-    def _image_embeddings(self, pair: Any) -> Tuple[Any, List[Tensor]]:
-        """diffusers' UNet passes ``(text embeddings, [image embeddings])`` as encoder_hidden_states when an
-        IP-Adapter is loaded (``encoder_hid_dim_type="ip_image_proj"``), for attn2's IP-Adapter processor
-        (twin/ip_adapter.py). Without one, refused naming the cause, never a TypeError from the boundary."""
-        self._ensure_current()
-        processor = type(getattr(self._modules.get("attn2"), "processor", None)).__name__
-        if not self._config.ip_adapter:
-            raise UnsupportedBlockError(
-                f"{self._where()}: encoder_hidden_states is a {type(pair).__name__}, IP-Adapter's (text embeddings, "
-                f"image embeddings) that diffusers' UNet passes when an IP-Adapter is loaded, but attn2's processor "
-                f"is {processor}, which takes one tensor"
-            )
-        if len(pair) != 2 or not isinstance(pair[1], (tuple, list)):
-            raise UnsupportedBlockError(
-                f"{self._where()}: encoder_hidden_states must be (text embeddings, [image embeddings per adapter]) "
-                f"for attn2's {processor}"
-            )
-        for i, image in enumerate(pair[1]):
-            check_tensor(f"encoder_hidden_states[1][{i}]", image)
-        return pair[0], list(pair[1])
 
     def _check_mask_for_processor(self, name: str, mask: Tensor, attn: str) -> None:
         """A boolean mask is SDPA's (True: attend), and a (batch, keys) one is viewed per head, under
