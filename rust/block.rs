@@ -101,6 +101,7 @@ pub struct CrossAttention {
 impl CrossAttention {
     fn load(w: &mut Weights, prefix: &str, query_dim: i64, context_dim: i64, cfg: &BlockConfig) -> Result<Self> {
         let inner_dim = cfg.inner_dim()?;
+        let custom = CustomDiffusion::load(w, prefix, (query_dim, context_dim, inner_dim), &cfg.custom_diffusion)?;
         Ok(CrossAttention {
             to_q: Linear::load(w, &format!("{prefix}.to_q"), (query_dim, inner_dim), false, &cfg.lora)?,
             to_k: Linear::load(w, &format!("{prefix}.to_k"), (context_dim, inner_dim), false, &cfg.lora)?,
@@ -116,12 +117,7 @@ impl CrossAttention {
                 &cfg.ip_adapter,
                 cfg.attention == Attention::Sdpa,
             )?,
-            custom_diffusion: CustomDiffusion::load(
-                w,
-                prefix,
-                (query_dim, context_dim, inner_dim),
-                &cfg.custom_diffusion,
-            )?,
+            custom_diffusion: custom,
         })
     }
 
@@ -175,15 +171,8 @@ impl CrossAttention {
     /// [`forward`](Self::forward) with an attention mask ([`crate::masks`]).
     pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, mask: Option<&Tensor>) -> Result<Tensor> {
         if let Some(custom) = &self.custom_diffusion {
-            if mask.is_some() {
-                return Err(Error::input(
-                    "mask",
-                    "is not taken by Custom Diffusion (diffusers' processor does not view it per head)".into(),
-                ));
-            }
-            let base =
-                Base { to_q: &self.to_q, to_k: &self.to_k, to_v: &self.to_v, to_out: &self.to_out, heads: self.heads };
-            return custom.forward(&base, x, context);
+            let base = Base { q: &self.to_q, k: &self.to_k, v: &self.to_v, out: &self.to_out, heads: self.heads };
+            return custom.forward(&base, x, context, mask);
         }
         if self.attention == Attention::Sdpa {
             return self.to_out.forward(&self.attend(x, context, mask)?.1);

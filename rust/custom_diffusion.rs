@@ -40,10 +40,10 @@ pub struct CustomDiffusion {
 
 /// The attention's own layers and head count, which Custom Diffusion falls back on.
 pub struct Base<'a> {
-    pub to_q: &'a Linear,
-    pub to_k: &'a Linear,
-    pub to_v: &'a Linear,
-    pub to_out: &'a Linear,
+    pub q: &'a Linear,
+    pub k: &'a Linear,
+    pub v: &'a Linear,
+    pub out: &'a Linear,
     pub heads: i64,
 }
 
@@ -99,12 +99,22 @@ impl CustomDiffusion {
         })
     }
 
-    /// diffusers' `CustomDiffusionAttnProcessor2_0.__call__` (no mask): `x` the hidden states,
-    /// `context` the encoder hidden states (`None`: self-attention, no detach).
-    pub fn forward(&self, base: &Base<'_>, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
+    /// diffusers' `CustomDiffusionAttnProcessor2_0.__call__`: `x` the hidden states, `context` the
+    /// encoder hidden states (`None`: self-attention, no detach); a mask is an error (module docs).
+    pub fn forward(
+        &self,
+        base: &Base<'_>,
+        x: &Tensor,
+        context: Option<&Tensor>,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        if mask.is_some() {
+            let why = "is not taken by Custom Diffusion (diffusers' processor does not view it per head)";
+            return Err(Error::input("mask", why.into()));
+        }
         let query = match &self.to_q {
             Some(to_q) => to_q.forward(x)?,
-            None => base.to_q.forward(x)?,
+            None => base.q.forward(x)?,
         };
         let crossattn = context.is_some();
         let states = context.unwrap_or(x);
@@ -112,9 +122,9 @@ impl CustomDiffusion {
             (Some(to_k), Some(to_v)) => {
                 let key = to_k.forward(&to(states, &to_k.weight)?)?;
                 let value = to_v.forward(&to(states, &to_v.weight)?)?;
-                (to(&key, &base.to_q.weight)?, to(&value, &base.to_q.weight)?)
+                (to(&key, &base.q.weight)?, to(&value, &base.q.weight)?)
             }
-            _ => (base.to_k.forward(states)?, base.to_v.forward(states)?),
+            _ => (base.k.forward(states)?, base.v.forward(states)?),
         };
         if crossattn {
             key = detach_first_token(&key)?;
@@ -130,7 +140,7 @@ impl CustomDiffusion {
         let out = to(&out, &query)?;
         match &self.to_out {
             Some(to_out) => to_out.forward(&out),
-            None => base.to_out.forward(&out),
+            None => base.out.forward(&out),
         }
     }
 }

@@ -313,3 +313,57 @@ def test_what_diffusers_computes_otherwise_is_refused_naming_it():
         UnsupportedBlockError, match="diffusers' processor splits the heads by the hidden states' width"
     ):
         RustBlock.from_torch(wide)
+
+
+MASKS = st.sampled_from([None, "float", "bool", "2d"])
+
+
+def _mask(kind, keys):
+    return {
+        None: None,
+        "float": torch.zeros(2, 1, keys),
+        "bool": torch.ones(2, 1, keys, dtype=torch.bool),
+        "2d": torch.zeros(2, keys),
+    }[kind]
+
+
+def _outcome(f):
+    try:
+        with torch.no_grad():
+            return f()
+    except Exception as e:  # noqa: BLE001 - the test sorts them
+        return e
+
+
+@FAST
+@given(
+    cls=st.sampled_from(CLASSES),
+    context=st.booleans(),
+    self_mask=MASKS,
+    cross_mask=MASKS,
+    owned=st.booleans(),
+    swap=st.booleans(),
+)
+def test_whatever_diffusers_computes_runs_or_is_a_named_refusal(cls, context, self_mask, cross_mask, owned, swap):
+    """Generated calls (context or none, each mask kind on either attention, owned, swapped or from_torch):
+    where diffusers computes, the Rust block gives its result (bitwise for the 2_0 processor) or refuses
+    with an UnsupportedBlockError naming the cause; never a TypeError or ValueError from the boundary."""
+    cross = CROSS if context else DIM
+    reference = make_block({"attn1": (cls, True, True, True), "attn2": (cls, True, False, True)}, cross=cross)
+    x, c = inputs(context)
+    m1, m2 = _mask(self_mask, 16), _mask(cross_mask, 7 if context else 16)
+    kw = {"attention_mask": m1, "encoder_attention_mask": m2}
+    expected = _outcome(lambda: reference(x, encoder_hidden_states=c, **kw))
+    block = copy.deepcopy(reference)
+    if swap:
+        twin = RustTransformerBlock(block, owned=owned)
+        got = _outcome(lambda: twin(x, encoder_hidden_states=c, **kw))
+    else:
+        twin = RustBlock.from_torch(block)
+        got = _outcome(lambda: (twin.forward_owned if owned else twin.forward)(x, c, **kw))
+    if isinstance(got, torch.Tensor):
+        assert isinstance(expected, torch.Tensor)
+        assert torch.equal(got, expected) if cls is CustomDiffusionAttnProcessor2_0 else rel_err(got, expected) <= 1e-5
+    elif not isinstance(expected, Exception):
+        assert isinstance(got, UnsupportedBlockError), repr(got)
+        assert "Custom Diffusion" in str(got) or "mask" in str(got), str(got)
