@@ -116,6 +116,18 @@ def test_block_forward_and_backward_match_diffusers(cls, attn1, attn2, context):
         assert torch.equal(got[1][1][:, 0], torch.zeros_like(got[1][1][:, 0])) and got[1][1][:, 1:].abs().sum() > 0
 
 
+@pytest.mark.parametrize("train_kv,train_q_out", [(True, True), (True, False), (False, True)])
+def test_autocast_casts_as_diffusers_does(train_kv, train_q_out):
+    """Under autocast (bf16 on the CPU) the processor's casts (the states to its layers' dtype, keys and
+    values to to_q's, the attention to the query's) are the same ops: bitwise the library's."""
+    specs = {name: (CustomDiffusionAttnProcessor2_0, train_kv, train_q_out, True) for name in ("attn1", "attn2")}
+    reference = make_block(specs)
+    rust = RustBlock.from_torch(copy.deepcopy(reference))
+    x, c = inputs(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        assert torch.equal(rust(x, c), reference(x, encoder_hidden_states=c))
+
+
 def test_unused_layers_and_flags_are_followed():
     """train_kv/train_q_out flipped after the reading: the processor keeps its layers, unused (as in
     diffusers), and the next call computes with the attention's own."""

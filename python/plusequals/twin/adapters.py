@@ -27,7 +27,7 @@ from .dispatch import seen_by_python, symbolic
 from .hooks import run_under_saved_tensor_hooks
 from .ip_adapter import split_tensor_context
 
-__all__ = ["eager_extras", "forward_ip", "forward_tuple", "functorch_weights"]
+__all__ = ["eager_extras", "forward_ip", "forward_tuple", "functorch_weights", "takes_images"]
 
 
 def functorch_weights(block: Any) -> bool:
@@ -61,6 +61,16 @@ def forward_ip(block: Any, x: Tensor, context: Any, masks: Dict[str, Any], image
         )
     call = functools.partial(block._call, ip_adapter=images, **given)
     return run_under_saved_tensor_hooks(call, "forward", x, context)
+
+
+def takes_images(block: Any) -> bool:
+    """Whether ``block`` follows a module whose attn2 carries an IP-Adapter now (read again if it
+    changed): then a tuple context is IP-Adapter's (:func:`forward_tuple`); otherwise it is a bad
+    ``context`` (a ``TypeError`` naming it)."""
+    if block._source is None:
+        return False
+    block._ensure_current()
+    return bool(block._config.ip_adapter)
 
 
 def forward_tuple(block: Any, x: Tensor, pair: Any, masks: Dict[str, Any], donate: Optional[bool] = None) -> Tensor:

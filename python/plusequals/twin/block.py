@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from .. import _rust
 from ..errors import UnsupportedBlockError, ownership_error
 from . import ops
-from .adapters import eager_extras, forward_tuple, functorch_weights
+from .adapters import eager_extras, forward_tuple, functorch_weights, takes_images
 from .arguments import check_tensor, masks_of, pair, refuse_grad, seen
 from .build import check_dims, validated_inner
 from .config import BlockConfig
@@ -369,7 +369,7 @@ class RustBlock(nn.Module):
             if attention_mask is None and encoder_attention_mask is None
             else masks_of(attention_mask, encoder_attention_mask)
         )
-        if isinstance(context, (tuple, list)):  # IP-Adapter's (text, images), as diffusers' block takes it
+        if isinstance(context, (tuple, list)) and takes_images(self):  # IP-Adapter's (text, images)
             return forward_tuple(self, x, context, masks)
         if torch.compiler.is_compiling() or symbolic(x, context) or (masks and symbolic(*pair(masks))):
             return ops.block_forward(*self._op_args(x, context, masks))
@@ -413,7 +413,7 @@ class RustBlock(nn.Module):
                 if y is not NotImplemented:
                     return y
         masks = masks_of(attention_mask, encoder_attention_mask)
-        if isinstance(context, (tuple, list)):  # IP-Adapter's (text, images): forward's sums, grad off
+        if isinstance(context, (tuple, list)) and takes_images(self):  # IP-Adapter's: forward's sums, grad off
             return forward_tuple(self, x, context, masks, donate=donate)
         traced = torch.compiler.is_compiling() or symbolic(x, context) or (bool(masks) and symbolic(*pair(masks)))
         if not traced and _functorch_weights(self):
