@@ -4,7 +4,8 @@ agree bit for bit on the same weights, forward and backward, in generated config
 scales, 0 included, image tokens, batch, a cross-attention mask). Against diffusers'
 ``IPAdapterAttnProcessor2_0``: the C++ twin (``CppBlock.from_torch``) is bitwise too, and a tensor
 ``encoder_hidden_states`` (diffusers' deprecated form) is computed as diffusers computes it. In
-generated calls of a diffusers IP-Adapter block (tuple or tensor context, adapters, masks, ``owned``),
+generated calls of a diffusers IP-Adapter block (tuple or tensor context, adapters, masks, ``owned``, the swap's
+block, ``RustBlock`` or ``CppBlock``),
 whatever diffusers computes, the Rust block computes bitwise or refuses with an
 ``UnsupportedBlockError`` naming the cause: never a ``TypeError`` or ``ValueError`` from the boundary.
 """
@@ -140,8 +141,14 @@ def outcome(f):
 
 
 @FAST
-@given(kind=CONTEXTS, n_adapters=st.integers(1, 2), mask=MASKS, owned=st.booleans(), swap=st.booleans())
-def test_whatever_diffusers_computes_runs_bitwise_or_is_a_named_refusal(kind, n_adapters, mask, owned, swap):
+@given(
+    kind=CONTEXTS,
+    n_adapters=st.integers(1, 2),
+    mask=MASKS,
+    owned=st.booleans(),
+    twin_kind=st.sampled_from(["swap", "rust", "cpp"]),
+)
+def test_whatever_diffusers_computes_runs_bitwise_or_is_a_named_refusal(kind, n_adapters, mask, owned, twin_kind):
     from plusequals import RustTransformerBlock
 
     reference = diffusers_block(n_adapters)
@@ -150,11 +157,11 @@ def test_whatever_diffusers_computes_runs_bitwise_or_is_a_named_refusal(kind, n_
         warnings.simplefilter("ignore", FutureWarning)  # diffusers' deprecated tensor form
         expected = outcome(lambda: reference(x, encoder_hidden_states=context, encoder_attention_mask=m))
         block = copy.deepcopy(reference)
-        if swap:
+        if twin_kind == "swap":
             twin = RustTransformerBlock(block, owned=owned)
             got = outcome(lambda: twin(x, encoder_hidden_states=context, encoder_attention_mask=m))
         else:
-            twin = RustBlock.from_torch(block)
+            twin = (RustBlock if twin_kind == "rust" else CppBlock).from_torch(block)
             call = twin.forward_owned if owned else twin.forward
             got = outcome(lambda: call(x, context, encoder_attention_mask=m))
     if isinstance(got, torch.Tensor):
