@@ -23,6 +23,7 @@ static at::Tensor add_mask(const at::Tensor& sim, const at::Tensor& mask) {
 
 at::Tensor CrossAttention::forward(const at::Tensor& x, const std::optional<at::Tensor>& context_,
                                    const std::optional<at::Tensor>& mask_) const {
+  if (attention == Attention::Sdpa) return to_out.forward(attend(x, context_, mask_).second);
   const int64_t h = heads;
   const at::Tensor q = to_q.forward(x);
   const at::Tensor& context = context_.has_value() ? *context_ : x;
@@ -32,24 +33,55 @@ at::Tensor CrossAttention::forward(const at::Tensor& x, const std::optional<at::
   const int64_t d = inner / h;
   const std::optional<at::Tensor> mask =
       mask_.has_value() ? std::optional<at::Tensor>(per_head(*mask_, b, h)) : std::nullopt;
-  at::Tensor out;
-  if (attention == Attention::Einsum) {
-    // 'b n (h d) -> (b h) n d'
-    auto split = [&](const at::Tensor& t) { return t.reshape({b, -1, h, d}).permute({0, 2, 1, 3}).reshape({b * h, -1, d}); };
-    at::Tensor sim = at::einsum("b i d, b j d -> b i j", {split(q), split(k)}) * scale;
-    // '(b h) 1|i j' against sim's '(b h) i j'
-    if (mask.has_value()) sim = add_mask(sim, mask->flatten(0, 1));
-    const at::Tensor attn = sim.softmax(-1);
-    out = at::einsum("b i j, b j d -> b i d", {attn, split(v)});
-    // '(b h) n d -> b n (h d)'
-    out = out.reshape({b, h, n, d}).permute({0, 2, 1, 3}).reshape({b, n, h * d});
-  } else {
-    // 'b n (h d) -> b h n d'
-    auto split = [&](const at::Tensor& t) { return t.reshape({b, -1, h, d}).transpose(1, 2); };
-    out = at::scaled_dot_product_attention(split(q), split(k), split(v), mask, 0.0, false, scale);
-    out = out.transpose(1, 2).reshape({b, n, h * d});
+  // The einsum path. 'b n (h d) -> (b h) n d'
+  auto split = [&](const at::Tensor& t) { return t.reshape({b, -1, h, d}).permute({0, 2, 1, 3}).reshape({b * h, -1, d}); };
+  at::Tensor sim = at::einsum("b i d, b j d -> b i j", {split(q), split(k)}) * scale;
+  // '(b h) 1|i j' against sim's '(b h) i j'
+  if (mask.has_value()) sim = add_mask(sim, mask->flatten(0, 1));
+  const at::Tensor attn = sim.softmax(-1);
+  const at::Tensor out = at::einsum("b i j, b j d -> b i d", {attn, split(v)});
+  // '(b h) n d -> b n (h d)'
+  return to_out.forward(out.reshape({b, h, n, d}).permute({0, 2, 1, 3}).reshape({b, n, h * d}));
+}
+
+std::pair<at::Tensor, at::Tensor> CrossAttention::attend(const at::Tensor& x,
+                                                         const std::optional<at::Tensor>& context_,
+                                                         const std::optional<at::Tensor>& mask_) const {
+  const int64_t h = heads;
+  const at::Tensor q = to_q.forward(x);
+  const at::Tensor& context = context_.has_value() ? *context_ : x;
+  const at::Tensor k = to_k.forward(context);
+  const at::Tensor v = to_v.forward(context);
+  const int64_t b = q.size(0), n = q.size(1), inner = q.size(2);
+  const int64_t d = inner / h;
+  const std::optional<at::Tensor> mask =
+      mask_.has_value() ? std::optional<at::Tensor>(per_head(*mask_, b, h)) : std::nullopt;
+  // 'b n (h d) -> b h n d'
+  auto split = [&](const at::Tensor& t) { return t.reshape({b, -1, h, d}).transpose(1, 2); };
+  const at::Tensor qh = split(q);
+  const at::Tensor out = at::scaled_dot_product_attention(qh, split(k), split(v), mask, 0.0, false, scale);
+  return {qh, out.transpose(1, 2).reshape({b, n, h * d})};
+}
+
+at::Tensor CrossAttention::forward_ip(const at::Tensor& x, const std::optional<at::Tensor>& context,
+                                      const std::optional<at::Tensor>& mask, const Images& images) const {
+  TORCH_CHECK(images.size() == ip_adapter.size(), "encoder_hidden_states carries ", images.size(),
+              " image embeddings for ", ip_adapter.size(), " IP-Adapters");
+  auto [q, out] = attend(x, context, mask);
+  for (size_t i = 0; i < ip_adapter.size(); ++i) {
+    const IpAdapter& ip = ip_adapter[i];
+    if (ip.scale == 0.0) continue;  // diffusers skips it
+    out = out + ip.term(q, images[i]);
   }
   return to_out.forward(out);
+}
+
+at::Tensor IpAdapter::term(const at::Tensor& q, const at::Tensor& image) const {
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(3);
+  auto split = [&](const at::Tensor& t) { return t.reshape({b, -1, h, d}).transpose(1, 2); };
+  const at::Tensor k = split(to_k.forward(image)), v = split(to_v.forward(image));
+  const at::Tensor image_out = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, false, std::nullopt);
+  return image_out.transpose(1, 2).reshape({b, -1, h * d}) * scale;
 }
 
 at::Tensor GeGlu::forward(const at::Tensor& x) const {
@@ -65,18 +97,24 @@ at::Tensor FeedForward::forward(const at::Tensor& x) const {
 
 at::Tensor BasicTransformerBlock::forward(const at::Tensor& x_, const std::optional<at::Tensor>& context,
                                           const std::optional<at::Tensor>& mask1,
-                                          const std::optional<at::Tensor>& mask2) const {
+                                          const std::optional<at::Tensor>& mask2, const Images& images) const {
   at::Tensor x = attn1.forward(norm1.forward(x_), std::nullopt, mask1) + x_;
-  x = attn2.forward(norm2.forward(x), context, mask2) + x;
+  x = attn2_forward(norm2.forward(x), context, mask2, images) + x;
   x = ff.forward(norm3.forward(x)) + x;
   return x;
 }
 
+at::Tensor BasicTransformerBlock::attn2_forward(const at::Tensor& x, const std::optional<at::Tensor>& context,
+                                                const std::optional<at::Tensor>& mask2, const Images& images) const {
+  if (attn2.ip_adapter.empty() && images.empty()) return attn2.forward(x, context, mask2);
+  return attn2.forward_ip(x, context, mask2, images);
+}
+
 at::Tensor BasicTransformerBlock::forward_owned(at::Tensor x, const std::optional<at::Tensor>& context,
                                                 const std::optional<at::Tensor>& mask1,
-                                                const std::optional<at::Tensor>& mask2) const {
+                                                const std::optional<at::Tensor>& mask2, const Images& images) const {
   x.add_(attn1.forward(norm1.forward(x), std::nullopt, mask1));
-  x.add_(attn2.forward(norm2.forward(x), context, mask2));
+  x.add_(attn2_forward(norm2.forward(x), context, mask2, images));
   x.add_(ff.forward(norm3.forward(x)));
   return x;
 }
@@ -93,10 +131,21 @@ static Linear linear(const Weights& w, const std::string& prefix, bool bias) {
   return Linear{take(w, prefix + ".weight"), bias ? std::optional<at::Tensor>(take(w, prefix + ".bias")) : std::nullopt};
 }
 
+static std::vector<IpAdapter> ip_adapters(const Weights& w, const std::string& p, const Config& cfg) {
+  std::vector<IpAdapter> adapters;
+  if (p != "attn2") return adapters;
+  for (size_t i = 0; i < cfg.ip_adapter.size(); ++i) {
+    const std::string ip = p + ".ip." + std::to_string(i);
+    adapters.push_back(IpAdapter{linear(w, ip + ".to_k", false), linear(w, ip + ".to_v", false), cfg.ip_adapter[i]});
+  }
+  return adapters;
+}
+
 static CrossAttention cross_attention(const Weights& w, const std::string& p, const Config& cfg) {
-  return CrossAttention{linear(w, p + ".to_q", false), linear(w, p + ".to_k", false), linear(w, p + ".to_v", false),
-                        linear(w, p + ".to_out.0", true), std::pow(static_cast<double>(cfg.d_head), -0.5),
-                        cfg.n_heads, cfg.attention};
+  return CrossAttention{linear(w, p + ".to_q", false),  linear(w, p + ".to_k", false),
+                        linear(w, p + ".to_v", false),  linear(w, p + ".to_out.0", true),
+                        std::pow(static_cast<double>(cfg.d_head), -0.5), cfg.n_heads,
+                        cfg.attention,                  ip_adapters(w, p, cfg)};
 }
 
 static LayerNorm layer_norm(const Weights& w, const std::string& p, int64_t dim) {

@@ -14,6 +14,8 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace plusequals {
 
@@ -35,15 +37,34 @@ struct LayerNorm {
 
 enum class Attention { Sdpa, Einsum };
 
+// IP-Adapter's images: one embedding per adapter (diffusers' `encoder_hidden_states[1]`).
+using Images = std::vector<at::Tensor>;
+
+// One IP-Adapter of diffusers' `IPAdapterAttnProcessor2_0` (rust/ip_adapter.rs): `to_k_ip[i]`,
+// `to_v_ip[i]` (bias-free) and `scale[i]`.
+struct IpAdapter {
+  Linear to_k, to_v;
+  double scale;
+  // `scale * sdpa(q, to_k_ip(image), to_v_ip(image))`, heads merged: `q` is (b, h, n, d).
+  at::Tensor term(const at::Tensor& q, const at::Tensor& image) const;
+};
+
 // CompVis `CrossAttention`: bias-free `to_q`/`to_k`/`to_v`, `to_out.0` with bias.
 struct CrossAttention {
   Linear to_q, to_k, to_v, to_out;
   double scale;
   int64_t heads;
   Attention attention;
+  std::vector<IpAdapter> ip_adapter;  // attn2 only, in diffusers' adapter order
   // `mask`: diffusers' semantics, as in rust/masks.rs (a bias or a boolean mask, repeated per head).
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& context,
                      const std::optional<at::Tensor>& mask = std::nullopt) const;
+  // `forward` plus IP-Adapter's decoupled cross-attention on `images` (rust/block.rs, forward_ip).
+  at::Tensor forward_ip(const at::Tensor& x, const std::optional<at::Tensor>& context,
+                        const std::optional<at::Tensor>& mask, const Images& images) const;
+  // The text attention of the SDPA path before `to_out`: (q split per head, the attention).
+  std::pair<at::Tensor, at::Tensor> attend(const at::Tensor& x, const std::optional<at::Tensor>& context,
+                                           const std::optional<at::Tensor>& mask) const;
 };
 
 // `GEGLU`: `proj` to twice the width; one half gated by the exact GELU of the other.
@@ -65,6 +86,7 @@ struct Config {
   int64_t dim, n_heads, d_head, context_dim;
   bool gated_ff;
   Attention attention;
+  std::vector<double> ip_adapter;  // one scale per IP-Adapter on attn2
 };
 
 // CompVis `BasicTransformerBlock`: self-attention, cross-attention, feed-forward, each behind a
@@ -81,13 +103,17 @@ struct BasicTransformerBlock {
   // `op_plus_x`, out of place: `x` is only read.
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& context,
                      const std::optional<at::Tensor>& mask1 = std::nullopt,
-                     const std::optional<at::Tensor>& mask2 = std::nullopt) const;
+                     const std::optional<at::Tensor>& mask2 = std::nullopt, const Images& images = {}) const;
+
+  // `attn2`: the cross-attention, with IP-Adapter's when the block carries adapters.
+  at::Tensor attn2_forward(const at::Tensor& x, const std::optional<at::Tensor>& context,
+                           const std::optional<at::Tensor>& mask2, const Images& images) const;
 
   // `iadd`: the caller hands `x` over (by value) and the residuals are added into it. The
   // compiler checks none of this: the caller may keep another handle on the same tensor.
   at::Tensor forward_owned(at::Tensor x, const std::optional<at::Tensor>& context,
                            const std::optional<at::Tensor>& mask1 = std::nullopt,
-                           const std::optional<at::Tensor>& mask2 = std::nullopt) const;
+                           const std::optional<at::Tensor>& mask2 = std::nullopt, const Images& images = {}) const;
 };
 
 }  // namespace plusequals

@@ -36,18 +36,31 @@ std::optional<at::Tensor> optional(const at::Tensor* t) {
   return t == nullptr ? std::nullopt : std::optional<at::Tensor>(*t);
 }
 
+// IP-Adapter's image embeddings: `n` handles (none without IP-Adapter).
+plusequals::Images images_of(const at::Tensor* const* images, int64_t n) {
+  plusequals::Images out;
+  for (int64_t i = 0; i < n; ++i) out.push_back(*images[i]);
+  return out;
+}
+
 }  // namespace
 
 extern "C" {
 
 BasicTransformerBlock* pe_cpp_block_new(const char* const* keys, const at::Tensor* const* tensors, int64_t n,
                                         int64_t dim, int64_t n_heads, int64_t d_head, int64_t context_dim,
-                                        int32_t gated_ff, int32_t einsum, char* err, size_t len) {
+                                        int32_t gated_ff, int32_t einsum, const double* ip_scales, int64_t n_ip,
+                                        char* err, size_t len) {
   return guarded(err, len, [&]() -> BasicTransformerBlock* {
     plusequals::Weights w;
     for (int64_t i = 0; i < n; ++i) w.emplace(keys[i], *tensors[i]);
-    const plusequals::Config cfg{dim, n_heads, d_head, context_dim, gated_ff != 0,
-                                 einsum != 0 ? plusequals::Attention::Einsum : plusequals::Attention::Sdpa};
+    const plusequals::Config cfg{dim,
+                                 n_heads,
+                                 d_head,
+                                 context_dim,
+                                 gated_ff != 0,
+                                 einsum != 0 ? plusequals::Attention::Einsum : plusequals::Attention::Sdpa,
+                                 std::vector<double>(ip_scales, ip_scales + n_ip)};
     return new BasicTransformerBlock(w, cfg);
   });
 }
@@ -55,9 +68,11 @@ BasicTransformerBlock* pe_cpp_block_new(const char* const* keys, const at::Tenso
 void pe_cpp_block_free(BasicTransformerBlock* block) { delete block; }
 
 at::Tensor* pe_cpp_forward(const BasicTransformerBlock* block, const at::Tensor* x, const at::Tensor* context,
-                           const at::Tensor* mask1, const at::Tensor* mask2, char* err, size_t len) {
+                           const at::Tensor* mask1, const at::Tensor* mask2, const at::Tensor* const* images,
+                           int64_t n_images, char* err, size_t len) {
   return guarded(err, len, [&] {
-    return new at::Tensor(block->forward(*x, optional(context), optional(mask1), optional(mask2)));
+    return new at::Tensor(
+        block->forward(*x, optional(context), optional(mask1), optional(mask2), images_of(images, n_images)));
   });
 }
 
@@ -65,9 +80,11 @@ at::Tensor* pe_cpp_forward(const BasicTransformerBlock* block, const at::Tensor*
 // checked that it owns `x` alone) still holds the buffer if the block throws, and can tell from
 // its version counter whether anything was written.
 at::Tensor* pe_cpp_forward_owned(const BasicTransformerBlock* block, const at::Tensor* x, const at::Tensor* context,
-                                 const at::Tensor* mask1, const at::Tensor* mask2, char* err, size_t len) {
+                                 const at::Tensor* mask1, const at::Tensor* mask2, const at::Tensor* const* images,
+                                 int64_t n_images, char* err, size_t len) {
   return guarded(err, len, [&] {
-    return new at::Tensor(block->forward_owned(*x, optional(context), optional(mask1), optional(mask2)));
+    return new at::Tensor(
+        block->forward_owned(*x, optional(context), optional(mask1), optional(mask2), images_of(images, n_images)));
   });
 }
 

@@ -8,9 +8,12 @@ use std::collections::HashMap;
 
 use tch::{Kind, Tensor};
 
+pub use crate::custom_diffusion::CustomDiffusionSpec;
+use crate::custom_diffusion::{Base, CustomDiffusion};
 use crate::error::{Error, Failure, Result};
 use crate::facts::{autocast_produces, dense_size, device, device_name, dtype_name, versions, Recorded};
 use crate::failpoint::{self, Step};
+pub use crate::ip_adapter::IpAdapter;
 pub use crate::linear::{Linear, Lora, LoraSpec};
 use crate::masks::{add_mask, check_mask, per_head, Masks};
 use crate::ownership::{check_exclusive, check_owned_by, Caller, NoGrad};
@@ -50,6 +53,8 @@ pub struct BlockConfig {
     /// IP-Adapter on `attn2` (diffusers' `IPAdapterAttnProcessor2_0`): one scale per adapter,
     /// whose weights are `attn2.ip.{i}.to_k.weight` and `attn2.ip.{i}.to_v.weight` (inner x context).
     pub ip_adapter: Vec<f64>,
+    /// Custom Diffusion (diffusers' `CustomDiffusionAttnProcessor2_0`) on `attn1` and/or `attn2`.
+    pub custom_diffusion: Vec<CustomDiffusionSpec>,
 }
 
 impl BlockConfig {
@@ -89,19 +94,14 @@ pub struct CrossAttention {
     pub attention: Attention,
     /// IP-Adapter's decoupled cross-attentions (`attn2` only), in diffusers' adapter order.
     pub ip_adapter: Vec<IpAdapter>,
-}
-
-/// One IP-Adapter of diffusers' `IPAdapterAttnProcessor2_0`: `to_k_ip[i]`, `to_v_ip[i]` (bias-free)
-/// and `scale[i]`; it adds `scale * sdpa(q, to_k_ip(image), to_v_ip(image))` to the attention.
-pub struct IpAdapter {
-    pub to_k: Linear,
-    pub to_v: Linear,
-    pub scale: f64,
+    /// Custom Diffusion's own projections, which replace some of the above ([`crate::custom_diffusion`]).
+    pub custom_diffusion: Option<CustomDiffusion>,
 }
 
 impl CrossAttention {
     fn load(w: &mut Weights, prefix: &str, query_dim: i64, context_dim: i64, cfg: &BlockConfig) -> Result<Self> {
         let inner_dim = cfg.inner_dim()?;
+        let custom = CustomDiffusion::load(w, prefix, (query_dim, context_dim, inner_dim), &cfg.custom_diffusion)?;
         Ok(CrossAttention {
             to_q: Linear::load(w, &format!("{prefix}.to_q"), (query_dim, inner_dim), false, &cfg.lora)?,
             to_k: Linear::load(w, &format!("{prefix}.to_k"), (context_dim, inner_dim), false, &cfg.lora)?,
@@ -110,25 +110,15 @@ impl CrossAttention {
             scale: (cfg.d_head as f64).powf(-0.5),
             heads: cfg.n_heads,
             attention: cfg.attention,
-            ip_adapter: Self::load_ip_adapter(w, prefix, context_dim, cfg)?,
+            ip_adapter: IpAdapter::load_all(
+                w,
+                prefix,
+                (context_dim, inner_dim),
+                &cfg.ip_adapter,
+                cfg.attention == Attention::Sdpa,
+            )?,
+            custom_diffusion: custom,
         })
-    }
-
-    fn load_ip_adapter(w: &mut Weights, prefix: &str, context_dim: i64, cfg: &BlockConfig) -> Result<Vec<IpAdapter>> {
-        if prefix != "attn2" || cfg.ip_adapter.is_empty() {
-            return Ok(Vec::new());
-        }
-        if cfg.attention != Attention::Sdpa {
-            return Err(Error::config("IP-Adapter needs attention='sdpa' (diffusers' processor calls SDPA)".into()));
-        }
-        let shape = (context_dim, cfg.inner_dim()?);
-        let mut adapters = Vec::new();
-        for (i, &scale) in cfg.ip_adapter.iter().enumerate() {
-            let to_k = Linear::load(w, &format!("{prefix}.ip.{i}.to_k"), shape, false, &[])?;
-            let to_v = Linear::load(w, &format!("{prefix}.ip.{i}.to_v"), shape, false, &[])?;
-            adapters.push(IpAdapter { to_k, to_v, scale });
-        }
-        Ok(adapters)
     }
 
     pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
@@ -153,17 +143,11 @@ impl CrossAttention {
             ));
         }
         let (q, mut out) = self.attend(x, context, mask)?;
-        let (b, h, _, d) = q.size4()?;
         for (ip, image) in self.ip_adapter.iter().zip(images) {
             if ip.scale == 0.0 {
                 continue; // diffusers skips it
             }
-            let split = |t: &Tensor| -> Result<Tensor> { Ok(t.f_reshape([b, -1, h, d])?.f_transpose(1, 2)?) };
-            let (k, v) = (split(&ip.to_k.forward(image)?)?, split(&ip.to_v.forward(image)?)?);
-            let image_out =
-                Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, false, None, false)?;
-            let image_out = image_out.f_transpose(1, 2)?.f_reshape([b, -1, h * d])?;
-            out = out.f_add(&image_out.f_mul_scalar(ip.scale)?)?;
+            out = out.f_add(&ip.term(&q, image)?)?;
         }
         self.to_out.forward(&out)
     }
@@ -186,6 +170,10 @@ impl CrossAttention {
 
     /// [`forward`](Self::forward) with an attention mask ([`crate::masks`]).
     pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, mask: Option<&Tensor>) -> Result<Tensor> {
+        if let Some(custom) = &self.custom_diffusion {
+            let base = Base { q: &self.to_q, k: &self.to_k, v: &self.to_v, out: &self.to_out, heads: self.heads };
+            return custom.forward(&base, x, context, mask);
+        }
         if self.attention == Attention::Sdpa {
             return self.to_out.forward(&self.attend(x, context, mask)?.1);
         }
@@ -421,6 +409,9 @@ impl BasicTransformerBlock {
         for ip in &self.attn2.ip_adapter {
             w.extend([&ip.to_k.weight, &ip.to_v.weight]);
         }
+        for custom in [&self.attn1, &self.attn2].into_iter().filter_map(|a| a.custom_diffusion.as_ref()) {
+            w.extend(custom.weights());
+        }
         w
     }
 
@@ -452,6 +443,14 @@ impl BasicTransformerBlock {
         }
         for t in self.lora_terms() {
             keys.extend(t.keys());
+        }
+        for i in 0..self.attn2.ip_adapter.len() {
+            keys.extend([format!("attn2.ip.{i}.to_k.weight"), format!("attn2.ip.{i}.to_v.weight")]);
+        }
+        for (attn, a) in [("attn1", &self.attn1), ("attn2", &self.attn2)] {
+            keys.extend(
+                a.custom_diffusion.iter().flat_map(|c| c.keys()).map(|k| format!("{attn}.custom_diffusion.{k}")),
+            );
         }
         keys
     }

@@ -35,6 +35,8 @@ extern "C" {
         context_dim: i64,
         gated_ff: i32,
         einsum: i32,
+        ip_scales: *const f64,
+        n_ip: i64,
         err: *mut c_char,
         len: usize,
     ) -> *mut RawBlock;
@@ -45,6 +47,8 @@ extern "C" {
         context: *const C_tensor,
         mask1: *const C_tensor,
         mask2: *const C_tensor,
+        images: *const *const C_tensor,
+        n_images: i64,
         err: *mut c_char,
         len: usize,
     ) -> *mut C_tensor;
@@ -54,6 +58,8 @@ extern "C" {
         context: *const C_tensor,
         mask1: *const C_tensor,
         mask2: *const C_tensor,
+        images: *const *const C_tensor,
+        n_images: i64,
         err: *mut c_char,
         len: usize,
     ) -> *mut C_tensor;
@@ -120,10 +126,11 @@ impl CppBlock {
                 term.linear
             )));
         }
-        if !cfg.ip_adapter.is_empty() {
-            return Err(Error::config(
-                "the C++ twin computes no IP-Adapter (attn2 carries one): use the Rust block (RustBlock)".into(),
-            ));
+        if let Some(spec) = cfg.custom_diffusion.first() {
+            return Err(Error::config(format!(
+                "the C++ twin computes no Custom Diffusion ({} carries it): use the Rust block (RustBlock)",
+                spec.attn
+            )));
         }
         let keys: Vec<CString> = weights
             .iter()
@@ -145,6 +152,8 @@ impl CppBlock {
                     cfg.context_dim.unwrap_or(cfg.dim),
                     cfg.gated_ff.into(),
                     (cfg.attention == Attention::Einsum).into(),
+                    cfg.ip_adapter.as_ptr(),
+                    cfg.ip_adapter.len() as i64,
                     err,
                     len,
                 )
@@ -161,9 +170,13 @@ impl CppBlock {
     /// [`forward`](Self::forward) with attention masks ([`crate::masks`]; the caller checks them).
     pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<Tensor> {
         let (m1, m2) = (opt(masks.attn1), opt(masks.attn2));
-        // SAFETY: `raw` is live; `x`, `context` and the masks outlive the call.
-        call(|err, len| unsafe { pe_cpp_forward(self.raw.as_ptr(), x.as_ptr(), opt(context), m1, m2, err, len) })
-            .map(tensor)
+        let images: Vec<*const C_tensor> = masks.ip_adapter.iter().map(|t| t.as_ptr()).collect();
+        let n = images.len() as i64;
+        // SAFETY: `raw` is live; `x`, `context`, the masks and the images outlive the call.
+        call(|err, len| unsafe {
+            pe_cpp_forward(self.raw.as_ptr(), x.as_ptr(), opt(context), m1, m2, images.as_ptr(), n, err, len)
+        })
+        .map(tensor)
     }
 
     /// `forward_owned(at::Tensor x, ...)`: `x` given up, residuals added into it, with the same
@@ -195,10 +208,12 @@ impl CppBlock {
         }
         let before = version(&x);
         let (m1, m2) = (opt(masks.attn1), opt(masks.attn2));
+        let images: Vec<*const C_tensor> = masks.ip_adapter.iter().map(|t| t.as_ptr()).collect();
+        let n = images.len() as i64;
         // SAFETY: as above; the C++ side takes a second handle on `*x` for the call, so `x` still
         // holds the buffer if it throws.
         let result = call(|err, len| unsafe {
-            pe_cpp_forward_owned(self.raw.as_ptr(), x.as_ptr(), opt(context), m1, m2, err, len)
+            pe_cpp_forward_owned(self.raw.as_ptr(), x.as_ptr(), opt(context), m1, m2, images.as_ptr(), n, err, len)
         })
         .map(tensor)
         .and_then(|y| failpoint::check(Step::AfterFirstWrite).map(|()| y)); // C++ has written by now

@@ -9,8 +9,10 @@
 
 pub mod block;
 pub mod cpp;
+pub mod custom_diffusion;
 pub mod error;
 pub mod facts;
+pub mod ip_adapter;
 pub mod linear;
 pub mod masks;
 pub mod ownership;
@@ -31,7 +33,7 @@ pub mod testing;
 #[cfg(feature = "python")]
 mod python;
 
-pub use block::{AddInPlace, Attention, BasicTransformerBlock, BlockConfig, LoraSpec};
+pub use block::{AddInPlace, Attention, BasicTransformerBlock, BlockConfig, CustomDiffusionSpec, LoraSpec};
 pub use error::{Error, Failure, Result};
 pub use masks::Masks;
 pub use ownership::NoGrad;

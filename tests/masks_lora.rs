@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use plusequals::cpp::CppBlock;
 use plusequals::testing::{small_config, small_inputs, small_weights, Normal};
-use plusequals::{Attention, BasicTransformerBlock, BlockConfig, Error, LoraSpec, Masks};
+use plusequals::{Attention, BasicTransformerBlock, BlockConfig, CustomDiffusionSpec, Error, LoraSpec, Masks};
 use tch::{Device, Kind, Tensor};
 
 fn block(attention: Attention) -> BasicTransformerBlock {
@@ -168,9 +168,53 @@ fn ip_adapter_terms_scales_and_refusals() -> plusequals::Result<()> {
         BasicTransformerBlock::from_weights(w.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect(), &cfg)
             .err();
     assert!(matches!(err, Some(Error::MissingWeight(ref k)) if k == "attn2.ip.2.to_k.weight"), "{err:?}");
-    let cfg = BlockConfig { ip_adapter: vec![1.0, 1.0], ..small_config(Attention::Sdpa) };
+    // The C++ twin computes it too, bit for bit (cpp/block.cpp, CrossAttention::forward_ip).
+    let cfg = BlockConfig { ip_adapter: vec![0.5, 1.0], ..small_config(Attention::Sdpa) };
+    let rust = with(vec![0.5, 1.0])?;
     let w: Vec<(String, Tensor)> = w.into_iter().collect();
-    assert!(CppBlock::from_weights(&w, &cfg).is_err_and(|e| e.to_string().contains("no IP-Adapter")));
+    let cpp = CppBlock::from_weights(&w, &cfg)?;
+    let masks = Masks { ip_adapter: &images, ..Masks::NONE };
+    assert!(cpp.forward_masked(&x, Some(&c), masks)?.equal(&rust));
+    let err = cpp.forward_masked(&x, Some(&c), Masks { ip_adapter: &images[..1], ..Masks::NONE }).err();
+    assert!(err.is_some_and(|e| e.to_string().contains("1 image embeddings for 2 IP-Adapters")));
+    Ok(())
+}
+
+/// Issue 34: Custom Diffusion (`BlockConfig::custom_diffusion`, rust/custom_diffusion.rs): with its
+/// own layers equal to the attention's it computes the plain block's values (the detach keeps them;
+/// SDPA's default scale instead of d_head ** -0.5), the first context token gets no gradient, and a
+/// mask, a missing key, heads * d_head != dim and the C++ twin are errors.
+#[test]
+fn custom_diffusion_layers_detach_and_refusals() -> plusequals::Result<()> {
+    let mut w = small_weights(0)?;
+    for part in ["to_q.weight", "to_k.weight", "to_v.weight", "to_out.0.weight", "to_out.0.bias"] {
+        let copy = w[&format!("attn2.{part}")].copy();
+        w.insert(format!("attn2.custom_diffusion.{part}"), copy);
+    }
+    let spec =
+        |attn: &str| CustomDiffusionSpec { attn: attn.into(), train_kv: true, train_q_out: true, out_bias: true };
+    let cfg = BlockConfig { custom_diffusion: vec![spec("attn2")], ..small_config(Attention::Sdpa) };
+    let shared = |w: &HashMap<String, Tensor>| w.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect();
+    let b = BasicTransformerBlock::from_weights(shared(&w), &cfg)?;
+    let (x, c) = small_inputs()?;
+    let c = c.set_requires_grad(true);
+    let y = b.forward(&x, Some(&c))?;
+    assert!(rel_err(&y, &block(Attention::Sdpa).forward(&x, Some(&c))?) < 1e-6);
+    y.square().sum(Kind::Float).backward();
+    let grad = c.grad();
+    assert_eq!(grad.narrow(1, 0, 1).abs().sum(Kind::Float).double_value(&[]), 0.0, "the first token: detached");
+    assert!(grad.narrow(1, 1, 6).abs().sum(Kind::Float).double_value(&[]) > 0.0);
+    let mask = Tensor::zeros([2, 1, 7], (Kind::Float, Device::Cpu));
+    let err = b.forward_masked(&x, Some(&c), Masks { attn2: Some(&mask), ..Masks::NONE }).err();
+    assert!(matches!(err, Some(Error::Input { .. })), "{err:?}");
+    let cfg = BlockConfig { custom_diffusion: vec![spec("attn1"), spec("attn2")], ..small_config(Attention::Sdpa) };
+    let err = BasicTransformerBlock::from_weights(shared(&w), &cfg).err();
+    assert!(matches!(err, Some(Error::MissingWeight(ref k)) if k == "attn1.custom_diffusion.to_q.weight"), "{err:?}");
+    let wide = BlockConfig { d_head: 16, custom_diffusion: vec![spec("attn1")], ..small_config(Attention::Sdpa) };
+    let err = BasicTransformerBlock::from_weights(shared(&w), &wide).err();
+    assert!(err.is_some_and(|e| e.to_string().contains("splits the heads by the hidden states' width")));
+    let w: Vec<(String, Tensor)> = w.into_iter().collect();
+    assert!(CppBlock::from_weights(&w, &cfg).is_err_and(|e| e.to_string().contains("no Custom Diffusion")));
     Ok(())
 }
 

@@ -223,10 +223,10 @@ def _ip_adapter_scales(diffusers, unet):
     unet.get_submodule(REPLACED).attn2.set_processor(processor)
 
 
-def _custom_diffusion_processor(diffusers, unet):
-    from diffusers.models.attention_processor import CustomDiffusionAttnProcessor2_0
+def _custom_diffusion_xformers(diffusers, unet):
+    from diffusers.models.attention_processor import CustomDiffusionXFormersAttnProcessor
 
-    processor = CustomDiffusionAttnProcessor2_0(hidden_size=32, cross_attention_dim=32)
+    processor = CustomDiffusionXFormersAttnProcessor(hidden_size=32, cross_attention_dim=32)
     unet.get_submodule(REPLACED).attn2.set_processor(processor)
 
 
@@ -253,11 +253,12 @@ REFUSED = {
     "dropout": (_dropout, "dropout p=0.1"),
     "attention_bias": (_attention_bias, "attn1.to_q has a bias"),
     # IP-Adapter runs (tests/test_sd_features.py) but not with per-image scales (ip_adapter_masks');
-    # Custom Diffusion stays refused (README): its own key/value projections.
+    # Custom Diffusion runs (tests/test_custom_diffusion.py) but not its xformers processor.
     "ip_adapter_per_image_scales": (_ip_adapter_scales, "attn2.processor.scale[0] is [0.5, 1.0]: per-image scales"),
-    "custom_diffusion_processor": (
-        _custom_diffusion_processor,
-        "attn2 uses attention processor diffusers.models.attention_processor.CustomDiffusionAttnProcessor2_0",
+    "custom_diffusion_xformers": (
+        _custom_diffusion_xformers,
+        "attn2 uses attention processor diffusers.models.attention_processor.CustomDiffusionXFormersAttnProcessor "
+        "(Custom Diffusion with xformers: use CustomDiffusionAttnProcessor2_0",
     ),
     "forward_hook": (_hook, "attn1 has forward_hooks"),
     "ff_chunking": (_chunking, "feed-forward chunking"),

@@ -147,7 +147,7 @@ def test_from_torch_refuses_what_it_cannot_reproduce_and_names_the_cause(kind):
     before = {k: v.detach().clone() for k, v in block.state_dict().items()}
     with pytest.raises(ValueError) as info:
         RustBlock.from_torch(block, trust="probe" if kind == "unknown_class_probe" else None)
-    assert type(info.value) is ValueError and cause in str(info.value), str(info.value)
+    assert type(info.value) is UnsupportedBlockError and cause in str(info.value), str(info.value)
     assert all(torch.equal(before[k], v) for k, v in block.state_dict().items())
     # The refusal is not vacuous: on the same weights, the Rust block computes something else.
     if kind not in ("no_affine", "qkv_bias", "buffer", "attn2_heads"):  # these weights do not fit it at all

@@ -79,6 +79,7 @@ class Block:
         language: str = "rust",
         lora: Sequence[Tuple[str, int, float, bool, bool]] = ...,
         ip_adapter: Sequence[float] = ...,
+        custom_diffusion: Sequence[Tuple[str, bool, bool, bool]] = ...,
     ) -> Block: ...
     def forward(
         self,

@@ -15,7 +15,7 @@ use crate::block::deep_copy;
 use crate::cpp::CppBlock;
 use crate::masks::Masks;
 use crate::ownership::Caller;
-use crate::{BasicTransformerBlock, BlockConfig, LoraSpec, NoGrad, Result};
+use crate::{BasicTransformerBlock, BlockConfig, CustomDiffusionSpec, LoraSpec, NoGrad, Result};
 
 /// The Rust `BasicTransformerBlock` (or, with `language="cpp"`, its C++ twin). Use it through
 /// `plusequals.RustBlock` / `plusequals.CppBlock`.
@@ -28,7 +28,7 @@ pub(super) struct PyBlock {
 impl PyBlock {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (weights, *, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa", language="rust", lora=Vec::new(), ip_adapter=Vec::new()))]
+    #[pyo3(signature = (weights, *, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa", language="rust", lora=Vec::new(), ip_adapter=Vec::new(), custom_diffusion=Vec::new()))]
     fn new(
         weights: HashMap<String, PyTensor>,
         dim: i64,
@@ -40,13 +40,24 @@ impl PyBlock {
         language: &str,
         lora: Vec<(String, i64, f64, bool, bool)>,
         ip_adapter: Vec<f64>,
+        custom_diffusion: Vec<(String, bool, bool, bool)>,
     ) -> PyResult<Self> {
         let lora = lora
             .into_iter()
             .map(|(linear, rank, scaling, bias, dora)| LoraSpec { linear, rank, scaling, bias, dora })
             .collect();
+        let custom_diffusion = custom_diffusion
+            .into_iter()
+            .map(|(attn, train_kv, train_q_out, out_bias)| CustomDiffusionSpec {
+                attn,
+                train_kv,
+                train_q_out,
+                out_bias,
+            })
+            .collect();
         let attention = attention.parse().map_err(to_py)?;
-        let cfg = BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention, lora, ip_adapter };
+        let cfg =
+            BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention, lora, ip_adapter, custom_diffusion };
         let mut weights: Vec<(String, Tensor)> = weights.into_iter().map(|(k, v)| (k, v.0)).collect();
         weights.sort_by(|a, b| a.0.cmp(&b.0));
         let cpp = match language {

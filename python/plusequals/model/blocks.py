@@ -10,13 +10,18 @@ for activation checkpointing) attribute for attribute, so that a CompVis or diff
     attn2.to_q.weight  attn2.to_k.weight  attn2.to_v.weight  attn2.to_out.0.weight/bias
     norm1.weight/bias  norm2.weight/bias  norm3.weight/bias
 
+With IP-Adapter (``ip_adapter=`` scales), ``attn2`` also holds diffusers' ``to_k_ip``/``to_v_ip``
+per adapter, under the Rust block's keys::
+
+    attn2.ip.{i}.to_k.weight  attn2.ip.{i}.to_v.weight
+
 The Rust twin (``rust/block.rs``) reads line for line against this file.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +42,9 @@ class Masks(NamedTuple):
 
     attn1: Optional[Tensor] = None
     attn2: Optional[Tensor] = None
+    #: Not a mask, but the call's other extra input, threaded the same way (as in ``rust/masks.rs``):
+    #: IP-Adapter's image embeddings, one per adapter of ``attn2`` (:class:`IpAdapter`); empty without.
+    ip_adapter: Tuple[Tensor, ...] = ()
 
 
 NO_MASKS = Masks()
@@ -57,11 +65,32 @@ def add_mask(sim: Tensor, mask: Tensor) -> Tensor:
     return sim + mask
 
 
+class IpAdapter(nn.Module):
+    """One IP-Adapter of diffusers' ``IPAdapterAttnProcessor2_0`` (``rust/ip_adapter.rs``): ``to_k_ip[i]``,
+    ``to_v_ip[i]`` (bias-free) and ``scale[i]``."""
+
+    def __init__(self, context_dim: int, inner_dim: int, scale: float = 1.0) -> None:
+        super().__init__()
+        self.to_k = nn.Linear(context_dim, inner_dim, bias=False)
+        self.to_v = nn.Linear(context_dim, inner_dim, bias=False)
+        self.scale = scale
+
+    def term(self, q: Tensor, image: Tensor) -> Tensor:
+        """``scale * sdpa(q, to_k_ip(image), to_v_ip(image))``, heads merged: ``q`` is ``(b, h, n, d)``."""
+        b, h, _, d = q.shape
+        k, v = (t.reshape(b, -1, h, d).transpose(1, 2) for t in (self.to_k(image), self.to_v(image)))
+        image_out = F.scaled_dot_product_attention(q, k, v)
+        image_out = image_out.transpose(1, 2).reshape(b, -1, h * d)
+        return image_out * self.scale
+
+
 class CrossAttention(nn.Module):
     """Multi-head attention with bias-free q/k/v projections (CompVis ``CrossAttention``).
 
     ``attention="einsum"`` is the 2022 path (two einsums and a softmax, the score matrix
-    materialised); ``"sdpa"`` is ``F.scaled_dot_product_attention``.
+    materialised); ``"sdpa"`` is ``F.scaled_dot_product_attention``. ``ip_adapter``: one scale per
+    IP-Adapter (``self.ip``, SDPA only), whose decoupled cross-attention on the image embeddings
+    :meth:`forward_ip` adds.
     """
 
     def __init__(
@@ -72,6 +101,7 @@ class CrossAttention(nn.Module):
         dim_head: int = 64,
         dropout: float = 0.0,
         attention: str = "sdpa",
+        ip_adapter: Sequence[float] = (),
     ) -> None:
         super().__init__()
         if attention not in ATTENTIONS:
@@ -85,8 +115,19 @@ class CrossAttention(nn.Module):
         self.to_k = nn.Linear(context_dim, inner_dim, bias=False)
         self.to_v = nn.Linear(context_dim, inner_dim, bias=False)
         self.to_out = nn.Sequential(nn.Linear(inner_dim, query_dim), nn.Dropout(dropout))
+        if ip_adapter:  # registered only then: a block without IP-Adapter has exactly CompVis' modules
+            if attention != "sdpa":
+                raise ValueError("IP-Adapter needs attention='sdpa' (diffusers' processor calls SDPA)")
+            self.ip = nn.ModuleList(IpAdapter(context_dim, inner_dim, s) for s in ip_adapter)
 
-    def forward(self, x: Tensor, context: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        self, x: Tensor, context: Optional[Tensor] = None, mask: Optional[Tensor] = None, images: Sequence[Tensor] = ()
+    ) -> Tensor:
+        """The attention; with IP-Adapter's images (or adapters), :meth:`forward_ip`."""
+        if self._modules.get("ip") is not None or images:
+            return self.forward_ip(x, context, mask, images)
+        if self.attention == "sdpa":
+            return self.to_out(self.attend(x, context, mask)[1])
         h = self.heads
         q = self.to_q(x)
         context = x if context is None else context
@@ -95,23 +136,49 @@ class CrossAttention(nn.Module):
         b, n, inner = q.shape
         d = inner // h
         mask = None if mask is None else per_head(mask, b, h)
-        if self.attention == "einsum":
-            # 'b n (h d) -> (b h) n d'
-            q, k, v = (t.reshape(b, -1, h, d).permute(0, 2, 1, 3).reshape(b * h, -1, d) for t in (q, k, v))
-            sim = torch.einsum("b i d, b j d -> b i j", q, k) * self.scale
-            if mask is not None:
-                # '(b h) 1|i j' against sim's '(b h) i j'
-                sim = add_mask(sim, mask.flatten(0, 1))
-            attn = sim.softmax(dim=-1)
-            out = torch.einsum("b i j, b j d -> b i d", attn, v)
-            # '(b h) n d -> b n (h d)'
-            out = out.reshape(b, h, n, d).permute(0, 2, 1, 3).reshape(b, n, h * d)
-        else:
-            # 'b n (h d) -> b h n d'
-            q, k, v = (t.reshape(b, -1, h, d).transpose(1, 2) for t in (q, k, v))
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-            out = out.transpose(1, 2).reshape(b, n, h * d)
+        # The einsum path. 'b n (h d) -> (b h) n d'
+        q, k, v = (t.reshape(b, -1, h, d).permute(0, 2, 1, 3).reshape(b * h, -1, d) for t in (q, k, v))
+        sim = torch.einsum("b i d, b j d -> b i j", q, k) * self.scale
+        if mask is not None:
+            # '(b h) 1|i j' against sim's '(b h) i j'
+            sim = add_mask(sim, mask.flatten(0, 1))
+        attn = sim.softmax(dim=-1)
+        out = torch.einsum("b i j, b j d -> b i d", attn, v)
+        # '(b h) n d -> b n (h d)'
+        return self.to_out(out.reshape(b, h, n, d).permute(0, 2, 1, 3).reshape(b, n, h * d))
+
+    def forward_ip(
+        self, x: Tensor, context: Optional[Tensor], mask: Optional[Tensor], images: Sequence[Tensor]
+    ) -> Tensor:
+        """:meth:`forward` plus IP-Adapter's decoupled cross-attention on ``images`` (one embedding per
+        adapter), as diffusers' ``IPAdapterAttnProcessor2_0`` computes it: the text attention, then
+        ``+ scale * sdpa(q, to_k_ip(image), to_v_ip(image))`` per adapter whose scale is not 0, then ``to_out``."""
+        adapters = self._modules.get("ip") or ()
+        if len(images) != len(adapters):
+            raise ValueError(
+                f"encoder_hidden_states carries {len(images)} image embeddings for {len(adapters)} IP-Adapters"
+            )
+        q, out = self.attend(x, context, mask)
+        for ip, image in zip(adapters, images):
+            if ip.scale == 0.0:
+                continue  # diffusers skips it
+            out = out + ip.term(q, image)
         return self.to_out(out)
+
+    def attend(self, x: Tensor, context: Optional[Tensor], mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        """The text attention of the SDPA path before ``to_out``: (q split per head, the attention)."""
+        h = self.heads
+        q = self.to_q(x)
+        context = x if context is None else context
+        k = self.to_k(context)
+        v = self.to_v(context)
+        b, n, inner = q.shape
+        d = inner // h
+        mask = None if mask is None else per_head(mask, b, h)
+        # 'b n (h d) -> b h n d'
+        q, k, v = (t.reshape(b, -1, h, d).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return q, out.transpose(1, 2).reshape(b, n, h * d)
 
 
 class GEGLU(nn.Module):
@@ -152,7 +219,7 @@ class FeedForward(nn.Module):
 def op_plus_x(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS) -> Tensor:
     """``x = op(norm(x)) + x``: the CompVis original, and the default."""
     x = b.attn1(b.norm1(x), mask=masks.attn1) + x
-    x = b.attn2(b.norm2(x), context=context, mask=masks.attn2) + x
+    x = b.attn2(b.norm2(x), context=context, mask=masks.attn2, images=masks.ip_adapter) + x
     x = b.ff(b.norm3(x)) + x
     return x
 
@@ -160,7 +227,7 @@ def op_plus_x(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], 
 def x_plus_op(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS) -> Tensor:
     """``x = x + op(norm(x))``: the same sum with the operands swapped (does the order matter?)."""
     x = x + b.attn1(b.norm1(x), mask=masks.attn1)
-    x = x + b.attn2(b.norm2(x), context=context, mask=masks.attn2)
+    x = x + b.attn2(b.norm2(x), context=context, mask=masks.attn2, images=masks.ip_adapter)
     x = x + b.ff(b.norm3(x))
     return x
 
@@ -171,7 +238,7 @@ def iadd(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks
     Mutates the caller's tensor, and overwrites the input that each ``norm`` saved for backward.
     """
     x += b.attn1(b.norm1(x), mask=masks.attn1)
-    x += b.attn2(b.norm2(x), context=context, mask=masks.attn2)
+    x += b.attn2(b.norm2(x), context=context, mask=masks.attn2, images=masks.ip_adapter)
     x += b.ff(b.norm3(x))
     return x
 
@@ -183,7 +250,7 @@ def iadd_clone(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor],
     the caller's tensor.
     """
     x += b.attn1(b.norm1(x.clone()), mask=masks.attn1)
-    x += b.attn2(b.norm2(x.clone()), context=context, mask=masks.attn2)
+    x += b.attn2(b.norm2(x.clone()), context=context, mask=masks.attn2, images=masks.ip_adapter)
     x += b.ff(b.norm3(x.clone()))
     return x
 
@@ -194,7 +261,7 @@ def first_out_of_place(
     """First line ``x = x + op(norm(x))``, the other two ``+=``: the caller's tensor is safe,
     since ``x`` is a fresh tensor after the first line."""
     x = x + b.attn1(b.norm1(x), mask=masks.attn1)
-    x += b.attn2(b.norm2(x), context=context, mask=masks.attn2)
+    x += b.attn2(b.norm2(x), context=context, mask=masks.attn2, images=masks.ip_adapter)
     x += b.ff(b.norm3(x))
     return x
 
@@ -206,7 +273,7 @@ def copy_iadd(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], 
     """
     x = copy.copy(x)
     x += b.attn1(b.norm1(x), mask=masks.attn1)
-    x += b.attn2(b.norm2(x), context=context, mask=masks.attn2)
+    x += b.attn2(b.norm2(x), context=context, mask=masks.attn2, images=masks.ip_adapter)
     x += b.ff(b.norm3(x))
     return x
 
@@ -219,7 +286,7 @@ def preallocated(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor
     """
     out = b.residual_buffer(x)
     torch.add(b.attn1(b.norm1(x), mask=masks.attn1), x, out=out)
-    torch.add(b.attn2(b.norm2(out), context=context, mask=masks.attn2), out, out=out)
+    torch.add(b.attn2(b.norm2(out), context=context, mask=masks.attn2, images=masks.ip_adapter), out, out=out)
     torch.add(b.ff(b.norm3(out)), out, out=out)
     return out
 
@@ -289,13 +356,20 @@ class BasicTransformerBlock(nn.Module):
         checkpoint: bool = False,
         attention: str = "sdpa",
         residual: str = "op_plus_x",
+        ip_adapter: Sequence[float] = (),
     ) -> None:
         super().__init__()
         _check_strategy(residual)
         self.attn1 = CrossAttention(query_dim=dim, heads=n_heads, dim_head=d_head, dropout=dropout, attention=attention)
         self.ff = FeedForward(dim, dropout=dropout, glu=gated_ff)
         self.attn2 = CrossAttention(
-            query_dim=dim, context_dim=context_dim, heads=n_heads, dim_head=d_head, dropout=dropout, attention=attention
+            query_dim=dim,
+            context_dim=context_dim,
+            heads=n_heads,
+            dim_head=d_head,
+            dropout=dropout,
+            attention=attention,
+            ip_adapter=ip_adapter,
         )
         self.norm1 = nn.LayerNorm(dim)
         self.norm2 = nn.LayerNorm(dim)
@@ -319,11 +393,13 @@ class BasicTransformerBlock(nn.Module):
         *,
         attention_mask: Optional[Tensor] = None,
         encoder_attention_mask: Optional[Tensor] = None,
+        ip_adapter: Sequence[Tensor] = (),
     ) -> Tensor:
         """``attention_mask`` (self-attention) and ``encoder_attention_mask`` (cross-attention):
-        see :class:`Masks`."""
+        see :class:`Masks`; ``ip_adapter``: IP-Adapter's image embeddings, one per adapter (with
+        ``checkpoint``, they get no gradient: they are not among its inputs)."""
         residual = self.residual if residual is None else _check_strategy(residual)
-        masks = Masks(attention_mask, encoder_attention_mask)
+        masks = Masks(attention_mask, encoder_attention_mask, tuple(ip_adapter))
         inputs = (x,) if context is None else (x, context)
         run = lambda *xs: self._forward(*xs, residual=residual, masks=masks)  # noqa: E731
         return checkpoint(run, inputs, self.parameters(), self.checkpoint)

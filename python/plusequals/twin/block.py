@@ -18,12 +18,14 @@ from torch import Tensor, nn
 from .. import _rust
 from ..errors import UnsupportedBlockError, ownership_error
 from . import ops
+from .adapters import eager_extras, forward_tuple, functorch_weights, takes_images
 from .arguments import check_tensor, masks_of, pair, refuse_grad, seen
 from .build import check_dims, validated_inner
 from .config import BlockConfig
 from .dispatch import autocast_dtype, converts_results, seen_by_python, symbolic, why_not_donatable
 from .faithful import CHILDREN, Reading, can_probe, probe, read_block
 from .hooks import run_under_saved_tensor_hooks
+from .traceable import untraceable
 
 # torch.compile and torch.export trace through this name too (Dynamo knows the function, not the
 # name): under them it is True, and the hot path, an opaque call, is never traced.
@@ -89,6 +91,7 @@ class RustBlock(nn.Module):
         self._code_changes: List[str] = []
         self._lora_layers: Tuple[str, ...] = ()  # peft LoRA layers in the last reading: never traced
         self._casting = False  # diffusers' layerwise casting in the last reading (twin/casting.py): never traced
+        self._ip_tokens: Optional[int] = None  # IP-Adapter's num_tokens[0] (twin/adapters.py)
         self._entry: Any = None  # the hot path's entry into Rust (_rebind)
         self._rebind()
 
@@ -105,8 +108,8 @@ class RustBlock(nn.Module):
         optimizer step, ``load_state_dict`` (also with ``assign=True``), ``.to()``, ``.half()``,
         a replaced parameter or submodule, a changed class, a grown ``Sequential`` or a new hook
         on ``block`` is seen here, and gradients of ``forward`` reach ``block``'s parameters.
-        Refuses, with a ``ValueError`` naming the cause, a block the Rust block cannot reproduce
-        exactly (:mod:`plusequals.twin.faithful`).
+        Refuses, with an :class:`UnsupportedBlockError` (a ``ValueError``) naming the cause, a block the
+        Rust block cannot reproduce exactly (:mod:`plusequals.twin.faithful`).
 
         ``trust``: a block whose classes this crate does not know (an independent CompVis
         implementation, a subclass) is refused by default, because nothing can watch what their
@@ -121,12 +124,12 @@ class RustBlock(nn.Module):
             raise TypeError(f"block is a {type(block).__name__} already: pass the PyTorch block it was made from")
         reading = read_block(block, trust=trust)
         if reading.reasons:
-            raise ValueError(
+            raise UnsupportedBlockError(
                 f"{cls.__name__}.from_torch cannot reproduce this block exactly: {'; '.join(reading.reasons)}"
             )
         rb = cls(ADOPT)
         rb._trust = trust
-        rb._adopt(block, error=ValueError)
+        rb._adopt(block)
         return rb
 
     def _adopt(self, block: nn.Module, error: type = UnsupportedBlockError) -> None:
@@ -175,7 +178,8 @@ class RustBlock(nn.Module):
         Rust block or the reading changes: the block's construction, :meth:`_reread`, the rebuild in
         :meth:`_ensure_current`, and unpickling."""
         inner, reading = self._twin.inner, self._reading
-        if not isinstance(inner, _rust.Block) or (self._source is not None and reading is None):
+        ip = self._config is not None and bool(self._config.ip_adapter)  # its calls: twin/adapters.py
+        if not isinstance(inner, _rust.Block) or (self._source is not None and reading is None) or ip:
             self._entry = None
         else:
             self._entry = _rust.Entry(inner, None if reading is None else reading.watch.rust)
@@ -207,6 +211,7 @@ class RustBlock(nn.Module):
             self._refuse(UnsupportedBlockError, _NO_CASTING)  # a ValueError too, as from_torch's
         self._config = reading.spec._replace(language=self.LANGUAGE)
         self._lora_layers, self._casting = reading.lora_layers, bool(reading.casting)
+        self._ip_tokens = reading.ip_tokens
         self._paths = reading.paths
         self._guards = [(obj, name, value, not isinstance(value, _SCALARS)) for obj, name, value in reading.watch.attrs]
         if traced:
@@ -289,17 +294,9 @@ class RustBlock(nn.Module):
                 now = getattr(obj, name, None)
                 if (now is not value) if by_identity else (now != value):
                     raise UnsupportedBlockError(f"{self._where()}: {type(obj).__name__}.{name} changed while traced")
-            if self._config is not None and self._config.ip_adapter:  # the ops take no image embeddings
-                raise UnsupportedBlockError(f"{self._where()}: a block with an IP-Adapter (attn2) cannot be traced")
-            if self._casting:
-                raise UnsupportedBlockError(f"{self._where()}: {_NO_TRACED_CASTING}")
-            if self._lora_layers:  # merged or disabled too: a traced graph would not see them change
-                raise UnsupportedBlockError(
-                    f"{self._where()}: a block with LoRA adapters ({', '.join(self._lora_layers)}) cannot be traced "
-                    "(torch.compile, torch.export, FakeTensor) or run under a mode or with tensor subclasses: the "
-                    "custom ops take the base weights only; call it eagerly on plain tensors, or remove the adapters "
-                    "(merge_and_unload, unload_lora)"
-                )
+            why = untraceable(self._config, self._casting, self._lora_layers)
+            if why:
+                raise UnsupportedBlockError(f"{self._where()}: {why}")
             # getattr, not get_parameter: functional_call puts plain tensors there (torch.func)
             return [getattr(self.get_submodule(owner), name) for owner, _, name in map(_split, self._paths)]
         if self._weights is None:
@@ -368,6 +365,8 @@ class RustBlock(nn.Module):
             if attention_mask is None and encoder_attention_mask is None
             else masks_of(attention_mask, encoder_attention_mask)
         )
+        if isinstance(context, (tuple, list)) and takes_images(self):  # IP-Adapter's (text, images)
+            return forward_tuple(self, x, context, masks)
         if torch.compiler.is_compiling() or symbolic(x, context) or (masks and symbolic(*pair(masks))):
             return ops.block_forward(*self._op_args(x, context, masks))
         if _functorch_weights(self):
@@ -376,6 +375,9 @@ class RustBlock(nn.Module):
         check_tensor("context", context, optional=True)
         if seen_by_python(x, context, dispatch_modes=False) or (masks and seen(masks, dispatch_modes=False)):
             return ops.block_forward(*self._op_args(x, context, masks))
+        y = eager_extras(self, x, context, masks)  # IP-Adapter's tensor form; Custom Diffusion's refusals
+        if y is not None:
+            return y
         call = functools.partial(self._call, **masks) if masks else self._call
         return run_under_saved_tensor_hooks(call, "forward", x, context)
 
@@ -407,6 +409,8 @@ class RustBlock(nn.Module):
                 if y is not NotImplemented:
                     return y
         masks = masks_of(attention_mask, encoder_attention_mask)
+        if isinstance(context, (tuple, list)) and takes_images(self):  # IP-Adapter's: forward's sums, grad off
+            return forward_tuple(self, x, context, masks, donate=donate)
         traced = torch.compiler.is_compiling() or symbolic(x, context) or (bool(masks) and symbolic(*pair(masks)))
         if not traced and _functorch_weights(self):
             raise UnsupportedBlockError(
@@ -416,6 +420,14 @@ class RustBlock(nn.Module):
         check_tensor("x", x)
         check_tensor("context", context, optional=True)
         refuse_grad(x, context)
+        if not traced and self._source is not None:
+            self._ensure_current()
+            if self._config.ip_adapter and not donate:  # the image embeddings are forward's: the same sums
+                with torch.no_grad():
+                    return RustBlock.forward(self, x, context, **masks)
+            if self._config.ip_adapter:
+                raise UnsupportedBlockError(f"{self._where()}: a donation takes no IP-Adapter image embeddings")
+            eager_extras(self, x, context, masks)  # Custom Diffusion's refusals
         if donate:
             if traced:
                 raise RuntimeError(
@@ -559,11 +571,6 @@ _NO_CASTING = (
     "diffusers' layerwise casting (enable_layerwise_casting) is on, and RustBlock.from_torch does not cast the "
     "stored weights around each call; swap the block (swap_transformer_blocks, RustTransformerBlock), which does"
 )
-_NO_TRACED_CASTING = (
-    "a block under diffusers' layerwise casting cannot be traced (torch.compile, torch.export, FakeTensor) or run "
-    "under a mode or with tensor subclasses: the custom ops would take the stored low-precision weights; call it "
-    "eagerly on plain tensors"
-)
 _MISSING = object()
 
 
@@ -579,9 +586,4 @@ def _split(path: str) -> Tuple[str, str, str]:
     return path.rpartition(".")
 
 
-def _functorch_weights(block: RustBlock) -> bool:
-    """Whether a torch.func transform is active and ``block``'s weights are functorch-wrapped
-    (``functional_call`` under ``grad``/``vmap``/``jvp``): they have no storage to build on."""
-    if block._source is None or torch._C._functorch.peek_interpreter_stack() is None:
-        return False
-    return any(map(torch._C._functorch.is_functorch_wrapped_tensor, block.parameters()))
+_functorch_weights = functorch_weights  # the swap imports it from here

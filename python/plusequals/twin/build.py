@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import _rust
+from ..errors import UnsupportedBlockError
 from .config import BlockConfig
 from .donated import DonatedTensor
 
@@ -34,8 +35,21 @@ def validated_inner(weights: Mapping[str, Tensor], config: BlockConfig) -> Tuple
         _check_weight(key, value)
     dims = check_dims(dim=config.dim, n_heads=config.n_heads, d_head=config.d_head, context_dim=config.context_dim)
     device = _check_weight_types(weights)
+    _check_twin(config)
     inner = _rust.Block(dict(weights), **config._replace(**dims)._asdict())
     return inner, device
+
+
+def _check_twin(config: BlockConfig) -> None:
+    """What the C++ twin does not compute, refused naming it (rust/cpp.rs refuses it too)."""
+    if config.language != "cpp":
+        return
+    for what, present in (("LoRA terms", config.lora), ("Custom Diffusion", config.custom_diffusion)):
+        if present:
+            where = present[0][0]  # the linear layer's key, or the attention
+            raise UnsupportedBlockError(
+                f"the C++ twin computes no {what} ({where} carries it): use the Rust block (RustBlock)"
+            )
 
 
 def _check_weight(key: object, value: object) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Tuple
 
-__all__ = ["BlockConfig", "lora_keys", "rust_keys"]
+__all__ = ["BlockConfig", "custom_diffusion_keys", "lora_keys", "rust_keys"]
 
 
 class BlockConfig(NamedTuple):
@@ -26,16 +26,21 @@ class BlockConfig(NamedTuple):
     # IP-Adapter on attn2 (rust/block.rs, IpAdapter): one scale per adapter. Not a custom-op
     # argument either: refused where the custom ops would run.
     ip_adapter: Tuple[float, ...] = ()
+    # Custom Diffusion (rust/custom_diffusion.rs): (attention, train_kv, train_q_out, out_bias) per
+    # attention that carries it. Not a custom-op argument: refused where the custom ops would run.
+    custom_diffusion: Tuple[Tuple[str, bool, bool, bool], ...] = ()
 
     @property
     def keys(self) -> Tuple[str, ...]:
-        """The weights' CompVis keys, in the order the custom ops take them, then the LoRA terms'."""
+        """The weights' CompVis keys, in the order the custom ops take them, then the LoRA terms',
+        IP-Adapter's and Custom Diffusion's."""
         ip = tuple(f"attn2.ip.{i}.{p}.weight" for i in range(len(self.ip_adapter)) for p in ("to_k", "to_v"))
-        return rust_keys(self.gated_ff) + lora_keys(self.lora) + ip
+        return rust_keys(self.gated_ff) + lora_keys(self.lora) + ip + custom_diffusion_keys(self.custom_diffusion)
 
     @property
     def op_fields(self) -> tuple:
-        """The fields the custom ops take, in their order (all but ``lora`` and ``ip_adapter``)."""
+        """The fields the custom ops take, in their order (all but ``lora``, ``ip_adapter`` and
+        ``custom_diffusion``)."""
         return tuple(self)[:7]
 
 
@@ -46,6 +51,17 @@ def lora_keys(lora: Tuple[Tuple[str, int, float, bool, bool], ...]) -> Tuple[str
     for i, (linear, _, _, bias, dora) in enumerate(lora):
         parts = ["A.weight", "B.weight"] + ["B.bias"] * bias + ["magnitude"] * dora
         keys += [f"{linear}.lora.{i}.{part}" for part in parts]
+    return tuple(keys)
+
+
+def custom_diffusion_keys(specs: Tuple[Tuple[str, bool, bool, bool], ...]) -> Tuple[str, ...]:
+    """Custom Diffusion's weights by key (``{attn}.custom_diffusion.to_q.weight``, ...: rust/custom_diffusion.rs)."""
+    keys = []
+    for attn, train_kv, train_q_out, out_bias in specs:
+        layers = [("to_q", False)] * train_q_out + [("to_k", False), ("to_v", False)] * train_kv
+        layers += [("to_out.0", out_bias)] * train_q_out
+        for name, bias in layers:
+            keys += [f"{attn}.custom_diffusion.{name}.weight"] + [f"{attn}.custom_diffusion.{name}.bias"] * bias
     return tuple(keys)
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -50,10 +49,12 @@ from torch import nn
 from ..model import blocks
 from . import casting
 from .config import BlockConfig, rust_keys
+from .custom_diffusion import CUSTOM_DIFFUSION_PROCESSORS, read_custom_diffusion
 from .dispatch import tracing_tensor
 from .ip_adapter import IP_ADAPTER_PROCESSORS, read_ip_adapter
 from .lora import base_of, is_lora, read_lora
 from .probe import PROBE_BOUND, can_probe, probe
+from .reading import Reading
 from .reads import data_descriptor
 from .watch import Watch, class_name, global_hook_kinds
 
@@ -73,7 +74,7 @@ SUPPORTED_PROCESSORS = ("AttnProcessor2_0", "AttnProcessor", "SlicedAttnProcesso
 #: The refused processors SD users load, by class-name prefix: the feature they implement (named in the refusal).
 _PROCESSOR_KINDS = {
     "IPAdapterX": "IP-Adapter with xformers: use IPAdapterAttnProcessor2_0 (set_attn_processor)",
-    "CustomDiffusion": "Custom Diffusion: key/value projections of its own (to_k_custom_diffusion, ...)",
+    "CustomDiffusionX": "Custom Diffusion with xformers: use CustomDiffusionAttnProcessor2_0 (set_attn_processor)",
 }
 
 #: What ``read_block`` (and ``RustBlock.from_torch``) may be told to trust: nothing beyond the
@@ -81,23 +82,6 @@ _PROCESSOR_KINDS = {
 TRUST = (None, "probe")
 
 LAYER_NORM_EPS = 1e-5
-
-
-@dataclass
-class Reading:
-    """What :func:`read_block` found: the spec, the weights' slots, and every refusal."""
-
-    spec: Optional[BlockConfig]
-    slots: Tuple[Tuple[nn.Module, str], ...]  # (owner module, parameter name), in spec.keys order
-    paths: Tuple[str, ...]  # the same slots as attribute paths from the block ("ff.net.0.proj.weight")
-    reasons: List[str]
-    watch: Watch
-    unknown: Tuple[str, ...]  # classes this module does not know (then the probe runs)
-    lora_layers: Tuple[str, ...] = ()  # the paths of peft LoRA layers (twin/lora.py), active or not
-    casting: Tuple[Tuple[str, nn.Module, Any], ...] = ()  # diffusers' layerwise casting hooks (twin/casting.py)
-
-    def weights(self) -> List[torch.Tensor]:
-        return [owner._parameters[name] for owner, name in self.slots]
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,6 +146,8 @@ class _Reader:
         self.skip_dropouts: set = set()
         self.lora: List[Tuple[str, int, float, bool, bool]] = []
         self.ip_adapter: List[float] = []  # attn2's IP-Adapter scales (twin/ip_adapter.py; BlockConfig.ip_adapter)
+        self.ip_tokens: Optional[int] = None
+        self.custom_diffusion: List[tuple] = []  # twin/custom_diffusion.py; BlockConfig.custom_diffusion
         self.called: List[Any] = []  # what the forward calls besides modules (diffusers' processors)
 
     def no(self, reason: str) -> None:
@@ -304,16 +290,18 @@ class _Reader:
     def result(self, spec: Optional[BlockConfig], unknown: Tuple[str, ...] = ()) -> Reading:
         slots, paths = [], []
         if spec is not None:
-            spec = spec._replace(lora=tuple(self.lora), ip_adapter=tuple(self.ip_adapter))
+            spec = spec._replace(
+                lora=tuple(self.lora), ip_adapter=tuple(self.ip_adapter), custom_diffusion=tuple(self.custom_diffusion)
+            )
         if spec is not None and not self.reasons:
             for key in spec.keys:
                 owner, name, path = self.slots[key]
                 slots.append((owner, name))
                 paths.append(path)
         reasons = list(dict.fromkeys(self.reasons))  # a dropout is seen by its slot and by the tree walk
-        watch = self.w.seal()
+        watch, wrapped = self.w.seal(), tuple(self.wrapped)
         return Reading(
-            spec, tuple(slots), tuple(paths), reasons, watch, unknown, tuple(self.wrapped), tuple(watch.casting)
+            spec, tuple(slots), tuple(paths), reasons, watch, unknown, wrapped, tuple(watch.casting), self.ip_tokens
         )
 
 
@@ -529,8 +517,9 @@ def _read_diffusers(r: _Reader, block: nn.Module) -> Reading:
     if r.reasons:
         return r.result(None)
     dim, heads, d_head = _heads_and_scale(r, attn1, attn2)
+    widths = (dim, None if None in (heads, d_head) else heads * d_head)
     for name, attn in (("attn1", attn1), ("attn2", attn2)):
-        _diffusers_attention(r, attn, name, processor_mod)
+        _diffusers_attention(r, attn, name, processor_mod, widths)
         _attention_projections(r, attn, name)
     if None not in (dim, heads, d_head):
         inner = heads * d_head
@@ -563,7 +552,7 @@ def _read_diffusers(r: _Reader, block: nn.Module) -> Reading:
     return r.result(spec)
 
 
-def _diffusers_attention(r: _Reader, attn: Any, name: str, processor_mod) -> None:
+def _diffusers_attention(r: _Reader, attn: Any, name: str, processor_mod, widths: tuple) -> None:
     w = r.w
     processor = w.get(attn, "processor")
     w.exact(processor)  # its class swapped in place is a change; its code is watched (Watch.code_of)
@@ -573,6 +562,8 @@ def _diffusers_attention(r: _Reader, attn: Any, name: str, processor_mod) -> Non
     supported = tuple(getattr(processor_mod, n) for n in SUPPORTED_PROCESSORS)
     if type(processor) in tuple(getattr(processor_mod, n) for n in IP_ADAPTER_PROCESSORS):
         read_ip_adapter(r, processor, name)
+    elif type(processor) in tuple(getattr(processor_mod, n) for n in CUSTOM_DIFFUSION_PROCESSORS):
+        read_custom_diffusion(r, processor, name, widths)
     elif type(processor) not in supported:
         kind = next((v for k, v in _PROCESSOR_KINDS.items() if type(processor).__name__.startswith(k)), None)
         r.no(

@@ -8,9 +8,14 @@ tensors): ``encoder_hidden_states`` is the tuple ``(text, images)``; the text at
 of the adapter's images, no mask, SDPA's default scale); then ``to_out``. The "plus" variants
 differ only in the UNet's image projection (``encoder_hid_proj``), before the blocks.
 
+diffusers also takes a plain tensor as ``encoder_hidden_states`` (deprecated): its last
+``num_tokens[0]`` tokens are the image embedding, which only the first adapter reads
+(:func:`split_tensor_context`; a ``RustBlock`` does the same, and refuses it, naming the cause,
+with more than one adapter).
+
 What the reading looks at is watched: the processor's ``to_k_ip``/``to_v_ip`` lists and their
-layers' parameters, and the items of ``scale`` (``set_ip_adapter_scale`` writes them in place);
-a change reads the block again. Refused, naming the cause: an IP-Adapter processor on ``attn1``,
+layers' parameters, the items of ``scale`` (``set_ip_adapter_scale`` writes them in place) and
+of ``num_tokens``; a change reads the block again. Refused, naming the cause: an IP-Adapter processor on ``attn1``,
 a scale that is a list (per-image scales, used with ``ip_adapter_masks``), layers that are not
 bias-free ``nn.Linear``, and a different number of key and value projections. A leaf: imports
 nothing of the package but ``watch``.
@@ -25,7 +30,7 @@ from torch import nn
 
 from .watch import class_name
 
-__all__ = ["IP_ADAPTER_PROCESSORS", "read_ip_adapter"]
+__all__ = ["IP_ADAPTER_PROCESSORS", "read_ip_adapter", "split_tensor_context"]
 
 #: diffusers' IP-Adapter processors that the Rust block computes: the 2_0 one bitwise (SDPA), the
 #: other one within 1e-5 (baddbmm and softmax instead of SDPA, as AttnProcessor).
@@ -66,3 +71,13 @@ def read_ip_adapter(r: Any, processor: Any, name: str) -> None:
                 r.no(f"{path} has a bias; diffusers' to_k_ip/to_v_ip have none")
                 return
     r.ip_adapter.extend(float(s) for s in scales)
+    tokens = w.items(w.get(processor, "num_tokens"))
+    if isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], int) and not isinstance(tokens[0], bool):
+        r.ip_tokens = tokens[0]
+
+
+def split_tensor_context(context: Any, tokens: int) -> tuple:
+    """diffusers' deprecated tensor ``encoder_hidden_states`` for an IP-Adapter processor, split as
+    it splits it: ``(text, [image])``, the image its last ``tokens`` tokens (``num_tokens[0]``)."""
+    end_pos = context.shape[1] - tokens
+    return context[:, :end_pos, :], [context[:, end_pos:, :]]

@@ -27,7 +27,6 @@ diffusers is optional: this module imports it only when a function needs it.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -35,12 +34,11 @@ from torch import Tensor, nn
 
 from ..errors import UnsupportedBlockError
 from . import casting
-from .arguments import check_tensor
-from .block import ADOPT, RustBlock, _functorch_weights
+from .adapters import forward_tuple
+from .block import ADOPT, RustBlock
 from .config import rust_keys
 from .dispatch import seen_by_python, symbolic
 from .faithful import SUPPORTED_PROCESSORS, read_block
-from .hooks import run_under_saved_tensor_hooks
 
 __all__ = [
     "RustTransformerBlock",
@@ -228,50 +226,10 @@ class RustTransformerBlock(RustBlock):
         if kwargs:
             raise TypeError(f"{where}: unexpected keyword arguments {sorted(kwargs)}")
         if isinstance(encoder_hidden_states, (tuple, list)):
-            context, images = self._image_embeddings(encoder_hidden_states)
-            return self._forward_ip_adapter(hidden_states, context, masks, images)
+            return forward_tuple(self, hidden_states, encoder_hidden_states, masks)
         if self.owned and not torch.is_grad_enabled():
             return RustBlock.forward_owned(self, hidden_states, encoder_hidden_states, donate=False, **masks)
         return RustBlock.forward(self, hidden_states, encoder_hidden_states, **masks)
-
-    def _image_embeddings(self, pair: Any) -> Tuple[Any, List[Tensor]]:
-        """diffusers' UNet passes ``(text embeddings, [image embeddings])`` as encoder_hidden_states when an
-        IP-Adapter is loaded (``encoder_hid_dim_type="ip_image_proj"``), for attn2's IP-Adapter processor
-        (twin/ip_adapter.py). Without one, refused naming the cause, never a TypeError from the boundary."""
-        self._ensure_current()
-        processor = type(getattr(self._modules.get("attn2"), "processor", None)).__name__
-        if not self._config.ip_adapter:
-            raise UnsupportedBlockError(
-                f"{self._where()}: encoder_hidden_states is a {type(pair).__name__}, IP-Adapter's (text embeddings, "
-                f"image embeddings) that diffusers' UNet passes when an IP-Adapter is loaded, but attn2's processor "
-                f"is {processor}, which takes one tensor"
-            )
-        if len(pair) != 2 or not isinstance(pair[1], (tuple, list)):
-            raise UnsupportedBlockError(
-                f"{self._where()}: encoder_hidden_states must be (text embeddings, [image embeddings per adapter]) "
-                f"for attn2's {processor}"
-            )
-        for i, image in enumerate(pair[1]):
-            check_tensor(f"encoder_hidden_states[1][{i}]", image)
-        return pair[0], list(pair[1])
-
-    def _forward_ip_adapter(self, x: Tensor, context: Any, masks: Dict[str, Any], images: List[Tensor]) -> Tensor:
-        """The block with IP-Adapter's image embeddings: eagerly, on plain tensors (the custom ops take none)."""
-        check_tensor("encoder_hidden_states[0]", context)
-        given = {k: m for k, m in masks.items() if m is not None}
-        tensors = [x, context, *images, *given.values()]
-        if (
-            torch.compiler.is_compiling()
-            or any(symbolic(t, None) or seen_by_python(t, None, dispatch_modes=False) for t in tensors)
-            or _functorch_weights(self)
-        ):
-            raise UnsupportedBlockError(
-                f"{self._where()}: a block with an IP-Adapter cannot be traced (torch.compile, torch.export, "
-                "FakeTensor) or run under a mode, with tensor subclasses or functorch transforms: the custom ops "
-                "take no image embeddings; call it eagerly on plain tensors"
-            )
-        call = functools.partial(self._call, ip_adapter=images, **given)
-        return run_under_saved_tensor_hooks(call, "forward", x, context)
 
     def _check_mask_for_processor(self, name: str, mask: Tensor, attn: str) -> None:
         """A boolean mask is SDPA's (True: attend), and a (batch, keys) one is viewed per head, under
@@ -282,6 +240,8 @@ class RustTransformerBlock(RustBlock):
         processor = type(getattr(self._modules.get(attn), "processor", None)).__name__
         if processor in ("AttnProcessor2_0", "IPAdapterAttnProcessor2_0"):  # SDPA's masks
             return
+        if processor.startswith("CustomDiffusion"):
+            return  # no mask at all: refused with its cause (twin/adapters.py)
         what = "a boolean mask" if mask.dtype == torch.bool else "2-d (batch, keys)"
         raise UnsupportedBlockError(
             f"{self._where()}: {name} is {what}, which {attn}'s {processor} cannot take as diffusers' other "
