@@ -1,4 +1,4 @@
-"""Regenerates the README's audit corpus and sweep tables (issue 31).
+"""Regenerates the audit corpus and sweep tables of the guide's audit page (issue 31).
 
     python scripts/audit_tables.py            # both (the full sweep: about 2 minutes on 2 cores)
     python scripts/audit_tables.py corpus     # only the corpus
@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "guide" / "audit.md"
 
 
 def replace_block(text: str, name: str, body: str) -> str:
@@ -23,13 +23,13 @@ def replace_block(text: str, name: str, body: str) -> str:
 def main(which: list) -> None:
     from plusequals.audit import corpus, sweep
 
-    text = README.read_text()
+    text = PAGE.read_text()
     if not which or "corpus" in which:
         text = replace_block(text, "audit-corpus", corpus.markdown(corpus.results() + corpus.results(corpus.MISSED)))
     if not which or "sweep" in which:
         rows = [sweep.run(e) for family in sweep.families() for e in sweep.entries(family)]
         text = replace_block(text, "audit-sweep", sweep.markdown(rows))
-    README.write_text(text)
+    PAGE.write_text(text)
 
 
 if __name__ == "__main__":
