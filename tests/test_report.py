@@ -287,6 +287,10 @@ def expected_row(data: dict, heading: str, caption: str, header: list[str], row:
         u = next(u for u in data["unet_step"]["rows"] if u["name"] == row[0])
         vs = "reference" if u["name"] == "eager" else _ratio(u["vs_eager"], u["vs_eager_q1"], u["vs_eager_q3"])
         return [u["name"], fmt(u["median_ms"]), fmt(u["iqr_ms"]), vs]
+    if heading == "The audit's cost on a training step":
+        u = next(u for u in data["audit_cost"]["rows"] if u["name"] == row[0])
+        vs = "reference" if u["name"] == "eager" else _ratio(u["vs_eager"], u["vs_eager_q1"], u["vs_eager_q3"])
+        return [u["name"], fmt(u["median_ms"]), fmt(u["iqr_ms"]), vs]
     if heading == "Targets":
         t = next(t for t in data["targets"] if t["target"] == row[0])
         return [
@@ -332,6 +336,7 @@ def test_every_table_cell_matches_its_row_and_column_in_results_json(quick_repor
         "The boundary",
         "Host cost: us per call",
         "The crossing: us per call",
+        "The audit's cost on a training step",
         "Targets",
     ):
         assert must in captions, must
