@@ -165,16 +165,25 @@ class MoveTracer:
         self._started = False  # 3.12+: the tool id is ours
         self._tracing = False  # 3.11: sys.settrace is ours
 
-    def watch(self, frame: FrameType, name: str, info: Any) -> Any:
+    def watch(self, frame: FrameType, name: str, info: Any, now: bool = True) -> Any:
         """Watches ``name`` in ``frame``; returns the info it is watched with (an earlier one if
-        it already was)."""
+        it already was). ``now=False``, for a frame that cannot run before :meth:`arm` (it waits
+        for a module call to return): on 3.11 the trace function is installed only then, so
+        that the code up to there (the rest of the module call) runs untraced."""
         names = self._moved.get(frame)
         if names is None:
             names = self._moved[frame] = {}
-            self._follow(frame)
+            self._follow(frame, now)
         return names.setdefault(name, info)
 
-    def _follow(self, frame: FrameType) -> None:
+    def arm(self) -> None:
+        """Traces the frames watched with ``now=False`` (3.11: installs the trace function)."""
+        if self._moved and not self._tracing and _MONITORING is None:
+            self._tracing = True
+            self._previous = sys.gettrace()
+            sys.settrace(self._call)
+
+    def _follow(self, frame: FrameType, now: bool) -> None:
         if _MONITORING is not None:
             if not self._started:
                 self._start()
@@ -185,13 +194,11 @@ class MoveTracer:
                 events = _MONITORING.events.INSTRUCTION | _MONITORING.events.PY_RETURN
                 _MONITORING.set_local_events(self._tool, code, events)
             return
-        if not self._tracing:
-            self._tracing = True
-            self._previous = sys.gettrace()
-            sys.settrace(self._call)
         frame.f_trace = self._opcode
         frame.f_trace_lines = False
         frame.f_trace_opcodes = True
+        if now:
+            self.arm()
 
     def _unfollow(self, frame: FrameType) -> None:
         """``frame`` holds no moved name any more (or returned): no longer traced."""

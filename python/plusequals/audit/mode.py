@@ -145,7 +145,7 @@ class WriteWatch(TorchDispatchMode):
         # then: autograd attaches their nodes once each op has returned through it (and may dispatch
         # ops of its own meanwhile), so they are read at the next write, module boundary or confirm
         self._pending: List[Tuple[Any, bool]] = []
-        modules.settle = self.settle
+        modules.boundary = self.boundary
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -161,6 +161,12 @@ class WriteWatch(TorchDispatchMode):
         if torch.is_grad_enabled():
             self._pending.append((out, hooks_active()))
         return out
+
+    def boundary(self) -> None:
+        """A module call begins or ends: what autograd saved so far is settled, and the names
+        moved by writes inside a call are traced from now on (their frames wait for it)."""
+        self.settle()
+        self.tracer.arm()
 
     def forget(self) -> None:
         """Drops the outputs not settled yet (the audit keeps nothing alive once it returns)."""
@@ -249,12 +255,13 @@ class WriteWatch(TorchDispatchMode):
         move = Move(seq, call.module, where, op, writer)
         for frame in self.modules.frames_above(call):
             for name in holders(frame, overlaps):
-                self.recorder.same_value(self.tracer.watch(frame, name, move).seq, seq)
+                # the frames above the call run only once it has returned: traced from its end
+                self.recorder.same_value(self.tracer.watch(frame, name, move, now=False).seq, seq)
 
     def confirm(self, roots: Optional[List[Any]]) -> None:
         """Turns the candidates into ``E0502`` findings where the write bumped the version of a
         saved tensor whose node a backward from ``roots`` would run (``None``: any node)."""
-        self.settle()
+        self.boundary()
         if not self.candidates:
             return
         live = None if roots is None else reachable(roots)

@@ -98,8 +98,8 @@ class ModuleWatch:
         self._handles: List[Any] = []
         self._thread = threading.get_ident()
         # called at each boundary, before the stack changes (the write watch settles what
-        # autograd saved in the running call)
-        self.settle: Callable[[], None] = lambda: None
+        # autograd saved in the running call, and arms the tracer of the names moved in it)
+        self.boundary: Callable[[], None] = lambda: None
 
     def attach(self, model: nn.Module) -> None:
         self._root = id(model)
@@ -164,7 +164,7 @@ class ModuleWatch:
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if threading.get_ident() != self._thread:
             return None
-        self.settle()
+        self.boundary()
         self.calls += 1
         caller = sys._getframe(1)  # torch's; the user frame above it is looked for only on a write
         name = self._names.get(id(module), type(module).__name__)
@@ -177,7 +177,7 @@ class ModuleWatch:
     def _leave(self, module: nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
         if threading.get_ident() != self._thread:
             return None
-        self.settle()
+        self.boundary()
         for i in range(len(self.stack) - 1, -1, -1):
             if self.stack[i].ident == id(module):
                 del self.stack[i:]
