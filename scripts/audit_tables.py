@@ -1,35 +1,46 @@
-"""Regenerates the README's audit corpus and sweep tables (issue 31).
+"""Regenerates the audit corpus and sweep tables of the guide's audit page (issue 31).
 
     python scripts/audit_tables.py            # both (the full sweep: about 2 minutes on 2 cores)
     python scripts/audit_tables.py corpus     # only the corpus
+    python scripts/audit_tables.py cost       # only the cost sentence, from docs/report-cpu/results.json
 
-tests/test_audit_corpus.py and tests/test_audit_sweep.py check the tables are current.
+tests/test_audit_corpus.py and tests/test_audit_sweep.py check the tables are current, and
+tests/test_readme.py the cost sentence (rerun ``cost`` after regenerating docs/report-cpu).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "guide" / "audit.md"
+
+
+REPORT = PAGE.parents[2] / "docs" / "report-cpu" / "results.json"
 
 
 def replace_block(text: str, name: str, body: str) -> str:
-    start, end = f"<!-- {name} -->\n", f"<!-- /{name} -->"
-    i, j = text.index(start) + len(start), text.index(end)
+    """The lines between ``<!-- name ... -->`` and ``<!-- /name -->`` replaced by ``body``."""
+    opening = text.index(f"<!-- {name} -->") if f"<!-- {name} -->" in text else text.index(f"<!-- {name}: ")
+    i, j = text.index("\n", opening) + 1, text.index(f"<!-- /{name} -->")
     return text[:i] + body + "\n" + text[j:]
 
 
 def main(which: list) -> None:
     from plusequals.audit import corpus, sweep
 
-    text = README.read_text()
+    text = PAGE.read_text()
     if not which or "corpus" in which:
         text = replace_block(text, "audit-corpus", corpus.markdown(corpus.results() + corpus.results(corpus.MISSED)))
+    if not which or "cost" in which:
+        from plusequals.bench.render import audit_cost_claim
+
+        text = replace_block(text, "audit-cost", audit_cost_claim(json.loads(REPORT.read_text())))
     if not which or "sweep" in which:
         rows = [sweep.run(e) for family in sweep.families() for e in sweep.entries(family)]
         text = replace_block(text, "audit-sweep", sweep.markdown(rows))
-    README.write_text(text)
+    PAGE.write_text(text)
 
 
 if __name__ == "__main__":

@@ -434,6 +434,48 @@ def test_the_audit_leaves_no_hook_mode_or_tracer_behind_even_when_the_model_rais
         assert not m._forward_hooks and not m._forward_pre_hooks
 
 
+def _traced(frame) -> bool:
+    """Whether the audit traces ``frame`` now (its opcodes: settrace on 3.11, the code's local
+    events on 3.12+), or has a trace function of its own installed."""
+    monitoring = getattr(sys, "monitoring", None) if sys.version_info >= (3, 12) else None
+    if monitoring is None:
+        return frame.f_trace is not None or getattr(sys.gettrace(), "__self__", None).__class__.__name__ == "MoveTracer"
+    tools = [t for t in range(6) if monitoring.get_tool(t) == "plusequals.audit"]
+    return any(monitoring.get_local_events(t, frame.f_code) for t in tools)
+
+
+def test_a_move_rebound_at_once_leaves_no_frame_traced():
+    """``out = self.relu(out)`` moves ``out`` and rebinds it at once: from then on nothing is
+    traced (on 3.11 a trace function would slow every Python frame of the rest of the step),
+    while a name still unread stays watched until it is read."""
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, h):
+            caller = sys._getframe(1)
+            while caller.f_code is not Net.forward.__code__:  # up through torch's module call
+                caller = caller.f_back
+            seen.append(_traced(caller))
+            return h
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.relu, self.probe = nn.ReLU(inplace=True), Probe()
+
+        def forward(self, x, keep_name: bool):
+            out = x * 2
+            kept = out if keep_name else None
+            out = self.relu(out)
+            out = self.probe(out)
+            return out if kept is None else out + kept
+
+    first = audit(Net(), torch.randn(3), False)
+    second = audit(Net(), torch.randn(3), True)
+    assert first.clean and len(first.moves) == 1 and second.codes == ["E0382"]
+    assert seen == [False, True]
+
+
 def test_another_threads_module_calls_are_not_the_audited_ones():
     model = Writer(lambda t: t, WRITES["add_"][0])
     other_done = threading.Event()
@@ -481,7 +523,7 @@ def test_the_readmes_real_model_table_is_what_the_audit_finds_now(diffusers):
     reports = [(m, cases.real_model_audit(m)) for m in cases.REAL_MODELS]
     for m, r in reports:
         assert set(r.codes) == m.expected, (m.name, r.findings[:3])
-        assert r.ops > 1000 and r.modules > 100
+        assert r.ops > 500 and r.modules > 100  # the forward's ops, and those of Python code in backward
     assert readme_block("audit-models") == models_markdown(reports)
 
 

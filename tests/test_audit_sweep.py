@@ -22,7 +22,7 @@ def entry(family: str, name: str) -> sweep.Entry:
 def assert_clean(row: sweep.Row) -> None:
     r = row.report
     assert r.findings == [] and r.error is None and r.backward_error is None, (row.name, r.findings[:3], r.error)
-    assert r.backward_skipped is None and r.ops > 100
+    assert r.backward_skipped is None and r.ops >= 40  # the forward's ops (backward's C++ formulas are not dispatched)
 
 
 def _models(slow: bool) -> list:

@@ -287,6 +287,10 @@ def expected_row(data: dict, heading: str, caption: str, header: list[str], row:
         u = next(u for u in data["unet_step"]["rows"] if u["name"] == row[0])
         vs = "reference" if u["name"] == "eager" else _ratio(u["vs_eager"], u["vs_eager_q1"], u["vs_eager_q3"])
         return [u["name"], fmt(u["median_ms"]), fmt(u["iqr_ms"]), vs]
+    if heading == "The audit's cost on a training step":
+        u = next(u for u in data["audit_cost"]["rows"] if u["name"] == row[0])
+        vs = "reference" if u["name"] == "eager" else _ratio(u["vs_eager"], u["vs_eager_q1"], u["vs_eager_q3"])
+        return [u["name"], fmt(u["median_ms"]), fmt(u["iqr_ms"]), vs]
     if heading == "Targets":
         t = next(t for t in data["targets"] if t["target"] == row[0])
         return [
@@ -332,6 +336,7 @@ def test_every_table_cell_matches_its_row_and_column_in_results_json(quick_repor
         "The boundary",
         "Host cost: us per call",
         "The crossing: us per call",
+        "The audit's cost on a training step",
         "Targets",
     ):
         assert must in captions, must
@@ -447,3 +452,32 @@ def test_the_ratio_figure_draws_every_paired_ratio_to_the_reference():
             point = drawn[(p["variant"], p["shape"])]
             assert (point.median, point.q1, point.q3) == (p["median"], p["q1"], p["q3"])
             assert point.within_noise == (p["q1"] <= 1.0 <= p["q3"])
+
+
+def test_the_audit_cost_section_says_met_or_missed_as_its_numbers_do():
+    """The audit's cost cell in words (REPORT.md and the guide's sentence): the audit's and
+    anomaly mode's paired ratios, and the target met exactly when the audit's median is within it."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from plusequals.bench.render import audit_cost_claim, audit_cost_sentences
+    from plusequals.bench.results import AuditCost, UnetRow
+
+    def row(name: str, ratio: float) -> UnetRow:
+        return UnetRow(name, 60.0 * ratio, 1.0, ratio, ratio - 0.05, ratio + 0.05, ratio - 0.05 <= 1 <= ratio + 0.05)
+
+    @settings(max_examples=40, deadline=None)
+    @given(st.floats(1.0, 2.0), st.floats(1.0, 2.0), st.floats(1.0, 1.2))
+    def check(audited: float, anomaly: float, bare: float) -> None:
+        names = ("eager", "anomaly mode", "plusequals.audit", "a TorchDispatchMode that does nothing (forward)")
+        rows = [row(n, r) for n, r in zip(names, (1.0, anomaly, audited, bare))]
+        cell = AuditCost(what="resnet18", rows=rows, target=1.25, audit="clean")
+        said = " ".join(audit_cost_sentences(cell))
+        assert f"costs {fmt(audited)} [" in said and f"anomaly mode {fmt(anomaly)} [" in said
+        assert said.count("is met.") == (audited <= 1.25) and said.count("is missed.") == (audited > 1.25)
+        assert f"costs {fmt(bare)} [" in said  # where the time goes: the floor any dispatch mode sets
+        claim = audit_cost_claim({"config": {}, "environment": {}, "ceilings": {}, "audit_cost": cell.to_json()})
+        assert said in claim and f"{fmt(60.0 * audited)} ms through" in claim
+
+    check()
+    assert "predates" in audit_cost_claim({"config": {}, "environment": {}, "ceilings": {}})

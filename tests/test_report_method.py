@@ -255,6 +255,7 @@ def test_quick_report_under_a_load_switched_at_random(tmp_path):
                 "--out",
                 str(out),
                 "--no-unet",
+                "--no-audit-cost",  # the cells' noise is what this test reads
             ],
             capture_output=True,
             text=True,

@@ -28,9 +28,10 @@ rustc does, :mod:`.sarif` as JSON and SARIF; ``# plusequals: allow(E0596)`` on t
 silences a code there (:mod:`.allow`).
 
 It watches with forward hooks on each module (:mod:`.modules`), a TorchDispatchMode for the
-writes (:mod:`.mode`), a TorchFunctionMode for what autograd saves (:mod:`.saved`) and, once a
-value has moved, an opcode tracer on the frames that hold it (:mod:`.frames`). It imports
-nothing else of plusequals; :mod:`.cases` holds the project's harnesses.
+writes and, from the ops' outputs, what autograd saves (:mod:`.mode`, :mod:`.saved`; in
+backward only the Python code that backward runs is dispatched to it) and, while a moved value
+has a name not read yet, an opcode tracer on the frames that hold it (:mod:`.frames`). It
+imports nothing else of plusequals; :mod:`.cases` holds the project's harnesses.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 
 from .allow import Allows
 from .report import CODES, AuditReport, Finding
-from .scope import CallAudit, backward_from, describe, roots, unscoped
+from .scope import CallAudit, describe, roots, unscoped
 
 __all__ = ["CODES", "AuditReport", "Finding", "audit"]
 
@@ -55,18 +56,14 @@ def audit(model: Any, *args: Any, backward: bool = False, **kwargs: Any) -> Audi
     unit = CallAudit(model, args, kwargs, stop=sys._getframe())
     report = unit.report
     with unscoped(), unit.watching():
-        out = _run(report, lambda: model(*args, **kwargs))
+        with unit.forward():
+            out = _run(report, lambda: model(*args, **kwargs))
         differentiable = roots(out)
         unit.watch.confirm(differentiable)
         if backward and report.error is None and not differentiable:
             report.backward_skipped = "no output requires grad: nothing to differentiate"
         elif backward and report.error is None:
-            unit.watch.phase = "backward"
-            try:
-                backward_from(out, keep=False)
-            except Exception as e:  # the model's own error: recorded, findings before it kept
-                report.backward_error = describe(e)
-            unit.watch.confirm(None)
+            unit.backward(out, keep=False)
     allows = Allows()
     allows.watch(unit.files)
     allows.apply(report)

@@ -46,8 +46,8 @@ def allows_in(file: str) -> Dict[int, FrozenSet[str]]:
 
 def source_files(model: Any) -> Set[str]:
     """The files of the model's code (its modules' classes, or the callable), torch's left out."""
-    modules = model.modules() if isinstance(model, torch.nn.Module) else []
-    objects = [getattr(type(m).forward, "__code__", type(m)) for m in modules] or [model]
+    classes = dict.fromkeys(type(m) for m in model.modules()) if isinstance(model, torch.nn.Module) else {}
+    objects = [getattr(cls.forward, "__code__", cls) for cls in classes] or [model]
     files: Set[str] = set()
     for obj in objects:
         try:

@@ -81,6 +81,8 @@ _READS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST", "LOAD_DEREF", "
 _BINDS = ("STORE_FAST", "STORE_DEREF", "STORE_NAME", "STORE_GLOBAL", "DELETE_FAST", "DELETE_DEREF", "DELETE_NAME")
 _STORE_PAIRS = ("STORE_FAST_LOAD_FAST", "STORE_FAST_STORE_FAST")
 
+_YIELD_VALUE = dis.opmap["YIELD_VALUE"]
+
 _INSTRUCTIONS: Dict[CodeType, Dict[int, Tuple[str, Tuple[str, ...]]]] = {}
 
 
@@ -149,43 +151,86 @@ class MoveTracer:
     """Watches the frames that hold moved names and calls ``on_read(frame, name, info)`` the
     first time each is read. On CPython 3.12+ it asks ``sys.monitoring`` for the instructions of
     those frames' code (3.12's ``settrace`` gives no opcode events to a frame already running);
-    on 3.11, ``sys.settrace`` with ``f_trace_opcodes``. ``stop()`` undoes it all."""
+    on 3.11, ``sys.settrace`` with ``f_trace_opcodes``. A frame is watched only while it holds a
+    name not yet read, bound again or deleted, and until it returns: once no frame is, nothing is
+    traced (on 3.11 a trace function slows every Python frame, not only the watched ones).
+    ``stop()`` undoes it all."""
 
     def __init__(self, on_read: Callable[[FrameType, str, Any], None]) -> None:
         self._on_read = on_read
         self._moved: Dict[FrameType, Dict[str, Any]] = {}
-        self._codes: Set[CodeType] = set()
+        self._codes: Dict[CodeType, int] = {}  # 3.12+: code -> how many watched frames run it
         self._previous: Any = None
         self._tool: Optional[int] = None
-        self._started = False
+        self._started = False  # 3.12+: the tool id is ours
+        self._tracing = False  # 3.11: sys.settrace is ours
 
-    def watch(self, frame: FrameType, name: str, info: Any) -> Any:
+    def watch(self, frame: FrameType, name: str, info: Any, now: bool = True) -> Any:
         """Watches ``name`` in ``frame``; returns the info it is watched with (an earlier one if
-        it already was)."""
-        kept = self._moved.setdefault(frame, {}).setdefault(name, info)
-        if not self._started:
-            self._start()
+        it already was). ``now=False``, for a frame that cannot run before :meth:`arm` (it waits
+        for a module call to return): on 3.11 the trace function is installed only then, so
+        that the code up to there (the rest of the module call) runs untraced."""
+        names = self._moved.get(frame)
+        if names is None:
+            names = self._moved[frame] = {}
+            self._follow(frame, now)
+        return names.setdefault(name, info)
+
+    def arm(self) -> None:
+        """Traces the frames watched with ``now=False`` (3.11: installs the trace function)."""
+        if self._moved and not self._tracing and _MONITORING is None:
+            self._tracing = True
+            self._previous = sys.gettrace()
+            sys.settrace(self._call)
+
+    def _follow(self, frame: FrameType, now: bool) -> None:
         if _MONITORING is not None:
-            if frame.f_code not in self._codes and self._tool is not None:
-                self._codes.add(frame.f_code)
-                _MONITORING.set_local_events(self._tool, frame.f_code, _MONITORING.events.INSTRUCTION)
-        else:
-            frame.f_trace = self._opcode
-            frame.f_trace_lines = False
-            frame.f_trace_opcodes = True
-        return kept
+            if not self._started:
+                self._start()
+            code = frame.f_code
+            count = self._codes.get(code, 0)
+            self._codes[code] = count + 1
+            if count == 0 and self._tool is not None:
+                events = _MONITORING.events.INSTRUCTION | _MONITORING.events.PY_RETURN
+                _MONITORING.set_local_events(self._tool, code, events)
+            return
+        frame.f_trace = self._opcode
+        frame.f_trace_lines = False
+        frame.f_trace_opcodes = True
+        if now:
+            self.arm()
+
+    def _unfollow(self, frame: FrameType) -> None:
+        """``frame`` holds no moved name any more (or returned): no longer traced."""
+        if self._moved.pop(frame, None) is None:
+            return
+        if _MONITORING is not None:
+            code = frame.f_code
+            count = self._codes.pop(code, 1) - 1
+            if count > 0:
+                self._codes[code] = count
+            elif self._tool is not None:
+                _MONITORING.set_local_events(self._tool, code, 0)
+            return
+        frame.f_trace_opcodes = False
+        frame.f_trace = None
+        if not self._moved:
+            self._untrace()
+
+    def _untrace(self) -> None:
+        if self._tracing:
+            self._tracing = False
+            sys.settrace(self._previous)
+            self._previous = None
 
     def _start(self) -> None:
         self._started = True
-        if _MONITORING is not None:
-            free = [t for t in (3, 4) if _MONITORING.get_tool(t) is None]
-            if free:  # none free: another tool holds both ids, and reads go unseen (E0596 still found)
-                self._tool = free[0]
-                _MONITORING.use_tool_id(self._tool, "plusequals.audit")
-                _MONITORING.register_callback(self._tool, _MONITORING.events.INSTRUCTION, self._instruction)
-        else:
-            self._previous = sys.gettrace()
-            sys.settrace(self._call)
+        free = [t for t in (3, 4) if _MONITORING.get_tool(t) is None]
+        if free:  # none free: another tool holds both ids, and reads go unseen (E0596 still found)
+            self._tool = free[0]
+            _MONITORING.use_tool_id(self._tool, "plusequals.audit")
+            _MONITORING.register_callback(self._tool, _MONITORING.events.INSTRUCTION, self._instruction)
+            _MONITORING.register_callback(self._tool, _MONITORING.events.PY_RETURN, self._returned)
 
     def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
         # new frames are not traced by the audit; a tracer that was there before still is
@@ -194,10 +239,15 @@ class MoveTracer:
     def _opcode(self, frame: FrameType, event: str, arg: Any) -> Any:
         if event == "opcode":
             self._seen(frame, frame.f_lasti)
-        return self._opcode
+        elif event == "return" and frame.f_code.co_code[frame.f_lasti] != _YIELD_VALUE:  # 3.11: a yield too
+            self._unfollow(frame)
+        return self._opcode if frame in self._moved else None
 
     def _instruction(self, code: CodeType, offset: int) -> Any:
         self._seen(sys._getframe(1), offset)
+
+    def _returned(self, code: CodeType, offset: int, value: Any) -> Any:
+        self._unfollow(sys._getframe(1))
 
     def _seen(self, frame: FrameType, offset: int) -> None:
         moved = self._moved.get(frame)
@@ -208,22 +258,21 @@ class MoveTracer:
             info = moved.pop(name, None)
             if info is not None and what == "read":
                 self._on_read(frame, name, info)
+        if not moved:
+            self._unfollow(frame)
 
     def stop(self) -> None:
-        if not self._started:
-            return
-        if _MONITORING is not None:
+        for frame in list(self._moved):
+            self._unfollow(frame)
+        self._untrace()
+        if self._started:
             if self._tool is not None:
                 for code in self._codes:
                     _MONITORING.set_local_events(self._tool, code, 0)
                 _MONITORING.register_callback(self._tool, _MONITORING.events.INSTRUCTION, None)
+                _MONITORING.register_callback(self._tool, _MONITORING.events.PY_RETURN, None)
                 _MONITORING.free_tool_id(self._tool)
-        else:
-            for frame in self._moved:
-                frame.f_trace_opcodes = False
-                frame.f_trace = None
-            sys.settrace(self._previous)
+            self._tool = None
+            self._started = False
         self._moved.clear()
         self._codes.clear()
-        self._tool = None
-        self._started = False

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Span", "span", "tensors", "writes"]
+__all__ = ["WRITES", "Span", "Writes", "span", "tensors", "writes", "writes_of"]
 
 
 class Span(NamedTuple):
@@ -32,15 +32,17 @@ def span(t: Tensor) -> Optional[Span]:
     """``t``'s memory; None for a tensor with no elements or no storage (a functorch wrapper,
     a sparse tensor, a wrapper subclass)."""
     try:
-        if t.numel() == 0:
+        numel = t.numel()
+        if numel == 0:
             return None
-        storage = t.untyped_storage()
+        storage = t.untyped_storage()._cdata
         itemsize = t.element_size()
-        reach = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        # the elements reach one past the largest offset: numel for a contiguous tensor
+        reach = numel if t.is_contiguous() else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     except (RuntimeError, NotImplementedError, TypeError):
         return None
     start = t.storage_offset() * itemsize
-    return Span(storage._cdata, start, start + reach * itemsize)
+    return Span(storage, start, start + reach * itemsize)
 
 
 def tensors(tree: Any) -> Iterator[Tensor]:
@@ -56,24 +58,25 @@ class Writes(NamedTuple):
     metadata_only: bool
 
 
-_WRITES: Dict[Any, Writes] = {}
+WRITES: Dict[Any, Writes] = {}  # op -> where it writes: read directly on the hot path
 
 
-def _writes_of(func: Any) -> Writes:
-    found = _WRITES.get(func)
+def writes_of(func: Any) -> Writes:
+    """Where ``func``'s schema says it writes (cached per op)."""
+    found = WRITES.get(func)
     if found is None:
         schema = func._schema
         positions = tuple(
             (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
         )
-        found = _WRITES[func] = Writes(positions, torch.Tag.inplace_view in func.tags)
+        found = WRITES[func] = Writes(positions, torch.Tag.inplace_view in func.tags)
     return found
 
 
 def writes(func: Any, args: tuple, kwargs: dict) -> Tuple[List[Tensor], bool]:
     """The tensors ``func(*args, **kwargs)`` writes into, per its schema, and whether it writes
     their metadata only."""
-    found = _writes_of(func)
+    found = writes_of(func)
     if not found.positions:
         return [], False
     out: List[Tensor] = []

@@ -8,6 +8,13 @@ writes, and asks who owned that memory.
   reads the audit cannot see). Held by none of them, and read by no name afterwards, it was a
   temporary that the module took by value: a *move*, recorded in ``moves``, never a finding.
 * A tensor autograd saved: ``E0502``, once the write is known to have bumped the version counter.
+  The same mode shows :class:`.saved.SavedTensors` each op's outputs' autograd nodes, at the next
+  op (autograd attaches them once the op has returned through it).
+
+In backward the mode watches only the Python code that backward runs (a checkpoint's
+recomputation, a custom Function's backward, hooks): :class:`PythonCalls`, a TorchFunctionMode,
+runs each torch call made from Python under it. The ops of autograd's own C++ formulas, which
+write nothing a program holds, are not dispatched to Python at all.
 """
 
 from __future__ import annotations
@@ -18,16 +25,17 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .frames import MoveTracer, function_holding, holders, is_user, line_names, location, user_frame
-from .memory import Span, span, writes
+from .memory import WRITES, Span, Writes, span, writes, writes_of
 from .modules import Arg, Call, ModuleWatch
 from .report import Finding
-from .saved import Saved, SavedTensors, overwritten, reachable
+from .saved import Saved, SavedTensors, hooks_active, overwritten, reachable
 from .sites import write_site
 
-__all__ = ["Recorder", "WriteWatch"]
+__all__ = ["PythonCalls", "Recorder", "WriteWatch"]
 
 
 class Move(NamedTuple):
@@ -133,15 +141,52 @@ class WriteWatch(TorchDispatchMode):
         self.candidates: List[Candidate] = []
         self.ops = 0
         self.phase = "forward"
+        # the outputs of the ops since the last settle, and whether saved-tensors hooks were active
+        # then: autograd attaches their nodes once each op has returned through it (and may dispatch
+        # ops of its own meanwhile), so they are read at the next write, module boundary or confirm
+        self._pending: List[Tuple[Any, bool]] = []
+        modules.boundary = self.boundary
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.ops += 1
-        written, metadata_only = writes(func, args, kwargs)
-        if written:
+        found: Writes = WRITES.get(func) or writes_of(func)
+        if found.positions:
             with torch._C.DisableTorchFunction():
-                self._check(func, written, metadata_only)
-        return func(*args, **kwargs)
+                written, metadata_only = writes(func, args, kwargs)
+                if written:
+                    self.settle()
+                    self._check(func, written, metadata_only)
+        out = func(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._pending.append((out, hooks_active()))
+        return out
+
+    def boundary(self) -> None:
+        """A module call begins or ends: what autograd saved so far is settled, and the names
+        moved by writes inside a call are traced from now on (their frames wait for it)."""
+        self.settle()
+        self.tracer.arm()
+
+    def forget(self) -> None:
+        """Drops the outputs not settled yet (the audit keeps nothing alive once it returns)."""
+        self._pending.clear()
+
+    def settle(self) -> None:
+        """Shows the saved tensors the autograd nodes of the ops since the last settle (all of
+        them in the running module) and what they reach."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        module = self.modules.current()
+        with torch._C.DisableTorchFunction():
+            for out, quiet in pending:
+                if isinstance(out, Tensor):
+                    self.saved.note(out.grad_fn, quiet, module)
+                elif isinstance(out, (tuple, list)):
+                    for t in out:
+                        if isinstance(t, Tensor):
+                            self.saved.note(t.grad_fn, quiet, module)
 
     def _check(self, func: Any, written: List[Tensor], metadata_only: bool) -> None:
         where: Optional[str] = None
@@ -210,11 +255,15 @@ class WriteWatch(TorchDispatchMode):
         move = Move(seq, call.module, where, op, writer)
         for frame in self.modules.frames_above(call):
             for name in holders(frame, overlaps):
-                self.recorder.same_value(self.tracer.watch(frame, name, move).seq, seq)
+                # the frames above the call run only once it has returned: traced from its end
+                self.recorder.same_value(self.tracer.watch(frame, name, move, now=False).seq, seq)
 
     def confirm(self, roots: Optional[List[Any]]) -> None:
         """Turns the candidates into ``E0502`` findings where the write bumped the version of a
         saved tensor whose node a backward from ``roots`` would run (``None``: any node)."""
+        self.boundary()
+        if not self.candidates:
+            return
         live = None if roots is None else reachable(roots)
         for c in self.candidates:
             hit = [e for e in overwritten(c.entries) if live is None or e.node in live]
@@ -229,3 +278,22 @@ class WriteWatch(TorchDispatchMode):
                 )
                 self.recorder.add(c.seq, Finding("E0502", c.module, c.where, c.op, message, writer=c.writer))
         self.candidates.clear()
+
+
+_BELOW_AUTOGRAD = torch._C.DispatchKey.ADInplaceOrView
+
+
+class PythonCalls(TorchFunctionMode):
+    """Backward's watch: each torch call that Python code makes during backward (a checkpoint's
+    recomputation, a custom Function's backward, a hook) runs under the write watch; not those
+    of a kernel written in Python (a meta kernel, a decomposition), which run below autograd."""
+
+    def __init__(self, watch: WriteWatch) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if torch._C._dispatch_tls_is_dispatch_key_excluded(_BELOW_AUTOGRAD):
+            return func(*args, **(kwargs or {}))
+        with self.watch:
+            return func(*args, **(kwargs or {}))

@@ -16,12 +16,12 @@ import inspect
 import sys
 import threading
 from types import FrameType
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .frames import user_frame
+from .frames import is_user
 from .memory import Span, span, tensors
 
 __all__ = ["Arg", "Call", "ModuleWatch"]
@@ -39,7 +39,7 @@ class Call(NamedTuple):
     module: str  # qualified name, as in named_modules()
     cls: str
     args: Tuple[Arg, ...]
-    caller: Optional[FrameType]  # the user frame that called the module (None: the audit itself)
+    caller: Optional[FrameType]  # the frame below which the module runs (its callers' user frames are above it)
     ident: int  # id() of the module object
     obj: Any = None  # the module (held while it runs)
 
@@ -75,7 +75,7 @@ def arguments(module: Any, args: tuple, kwargs: dict, cache: Dict[Any, Tuple[str
     out = []
     with torch._C.DisableTorchFunction():
         for label, value in labelled:
-            for t in tensors(value):
+            for t in (value,) if isinstance(value, Tensor) else tensors(value):
                 s = span(t)
                 if s is not None:
                     out.append(Arg(label, s, t))
@@ -97,6 +97,9 @@ class ModuleWatch:
         self._root: Optional[int] = None  # id() of the audited module
         self._handles: List[Any] = []
         self._thread = threading.get_ident()
+        # called at each boundary, before the stack changes (the write watch settles what
+        # autograd saved in the running call, and arms the tracer of the names moved in it)
+        self.boundary: Callable[[], None] = lambda: None
 
     def attach(self, model: nn.Module) -> None:
         self._root = id(model)
@@ -161,8 +164,9 @@ class ModuleWatch:
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if threading.get_ident() != self._thread:
             return None
+        self.boundary()
         self.calls += 1
-        caller = user_frame(sys._getframe(1), self._stop)
+        caller = sys._getframe(1)  # torch's; the user frame above it is looked for only on a write
         name = self._names.get(id(module), type(module).__name__)
         given = arguments(module, args, kwargs, self._params)
         if id(module) == self._root and not self.stack:
@@ -173,6 +177,7 @@ class ModuleWatch:
     def _leave(self, module: nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
         if threading.get_ident() != self._thread:
             return None
+        self.boundary()
         for i in range(len(self.stack) - 1, -1, -1):
             if self.stack[i].ident == id(module):
                 del self.stack[i:]
@@ -209,12 +214,12 @@ class ModuleWatch:
         return None
 
     def frames_above(self, call: Call) -> List[FrameType]:
-        """The user frames from ``call``'s caller up to the audit: where names of the moved
+        """The user frames above ``call``'s caller up to the audit: where names of the moved
         value may live."""
         out = []
         frame = call.caller
         while frame is not None and frame is not self._stop:
-            if user_frame(frame, self._stop) is frame:
+            if is_user(frame):
                 out.append(frame)
             frame = frame.f_back
         return out

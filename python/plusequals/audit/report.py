@@ -46,7 +46,8 @@ class Finding:
 @dataclass
 class AuditReport:
     """The findings of one audited call, in the order the writes happened, and what was watched:
-    ``ops`` (aten ops dispatched), ``modules`` (modules watched), ``calls`` (module calls).
+    ``ops`` (aten ops dispatched: the forward's, and in backward those of the Python code that
+    backward runs), ``modules`` (modules watched), ``calls`` (module calls).
     ``error`` / ``backward_error``: the first line of what the forward / backward raised, if
     anything (the audit never hides the model's own error; findings before it are kept).
     ``allowed``: the findings a ``# plusequals: allow(CODE)`` on their line silenced;

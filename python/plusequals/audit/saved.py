@@ -1,7 +1,8 @@
-"""What autograd saved for backward, seen from above autograd: a TorchFunctionMode that, after
-each torch call, walks the autograd nodes it has not seen and notes each saved tensor's memory
-and version. A write into that memory before backward is ``E0502``: autograd holds a shared
-borrow until backward, and the version counter will refuse the graph then.
+"""What autograd saved for backward, seen from below autograd: the write watch (:mod:`.mode`)
+hands :meth:`SavedTensors.note` the autograd node of each op's outputs once autograd has
+attached it (at the next op), and it walks the nodes it has not seen and notes each saved
+tensor's memory and version. A write into that memory before backward is ``E0502``: autograd
+holds a shared borrow until backward, and the version counter will refuse the graph then.
 
 Saved-tensors hooks are left alone: tensors saved while such hooks are active are packed by
 them (autograd no longer checks their versions), and unpacking them would run the hooks.
@@ -9,15 +10,14 @@ them (autograd no longer checks their versions), and unpacking them would run th
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Set, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Set, Tuple
 
 import torch
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
 from .memory import Span, span
 
-__all__ = ["Saved", "SavedTensors", "overwritten", "reachable"]
+__all__ = ["Saved", "SavedTensors", "hooks_active", "overwritten", "reachable"]
 
 
 class Saved(NamedTuple):
@@ -53,36 +53,24 @@ def _scalar(value: Any) -> bool:
     return isinstance(value, (int, float, bool, str, torch.dtype, torch.device))
 
 
-def _hooks_active() -> bool:
+def hooks_active() -> bool:
+    """Whether saved-tensors hooks are active (what autograd saves now, they pack)."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
-class SavedTensors(TorchFunctionMode):
-    """Notes every tensor autograd saves while active; ``saving(span)`` answers which saved
-    tensors a write into ``span`` would overwrite."""
+class SavedTensors:
+    """The tensors autograd saved, as :meth:`note` is shown their nodes; ``saving(span)``
+    answers which saved tensors a write into ``span`` would overwrite."""
 
-    def __init__(self, current_module: Callable[[], str]) -> None:
-        super().__init__()
-        self._current_module = current_module
+    def __init__(self) -> None:
         self.seen: Set[Any] = set()
         self._by_storage: Dict[int, List[Saved]] = {}
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if torch.is_grad_enabled():
-            if isinstance(out, Tensor):
-                self.note(out.grad_fn)
-            elif isinstance(out, (tuple, list)):
-                for t in out:
-                    if isinstance(t, Tensor):
-                        self.note(t.grad_fn)
-        return out
-
-    def note(self, node: Any) -> None:
-        """Walks the nodes behind ``node`` not seen yet, noting what each saved."""
+    def note(self, node: Any, quiet: bool, module: str) -> None:
+        """Walks the nodes behind ``node`` not seen yet, noting what each saved (nothing when
+        ``quiet``: saved under saved-tensors hooks); ``module`` was running when they were."""
         if node is None or node in self.seen:
             return
-        quiet = _hooks_active()
         stack = [node]
         while stack:
             n = stack.pop()
@@ -90,10 +78,10 @@ class SavedTensors(TorchFunctionMode):
                 continue
             self.seen.add(n)
             if not quiet:
-                self._note_saved(n)
+                self._note_saved(n, module)
             stack.extend(next_node for next_node, _ in n.next_functions)
 
-    def _note_saved(self, node: Any) -> None:
+    def _note_saved(self, node: Any, module: str) -> None:
         cls = type(node)
         scalars = _SCALARS.setdefault(cls, set())
         for attr in _saved_attrs(cls):
@@ -110,7 +98,7 @@ class SavedTensors(TorchFunctionMode):
                 if isinstance(t, Tensor):
                     s = span(t)
                     if s is not None:
-                        entry = Saved(node, attr, t, t._version, s, self._current_module())
+                        entry = Saved(node, attr, t, t._version, s, module)
                         self._by_storage.setdefault(s.storage, []).append(entry)
 
     def saving(self, written: Span) -> List[Saved]:

@@ -26,7 +26,7 @@ from torch.autograd.graph import _engine_run_backward
 from .allow import Allows, source_files
 from .frames import MoveTracer, holders, location, user_frame
 from .memory import Span, span, tensors
-from .mode import Recorder, WriteWatch
+from .mode import PythonCalls, Recorder, WriteWatch
 from .modules import Arg, ModuleWatch, arguments
 from .report import AuditReport, Finding
 from .saved import SavedTensors, reachable
@@ -76,7 +76,9 @@ def backward_from(out: Any, keep: bool, leaves: Iterable[Tensor] = ()) -> None:
 
 
 class CallAudit:
-    """The watchers of one audited call of ``model``; ``stop`` is the frame that calls it."""
+    """The watchers of one audited call of ``model``; ``stop`` is the frame that calls it. Inside
+    :meth:`watching`, the forward runs in :meth:`forward` (every op dispatched to the write watch)
+    and the backward in :meth:`backward` (only the ops of the Python code that backward runs)."""
 
     def __init__(self, model: Any, args: tuple, kwargs: dict, stop: FrameType) -> None:
         self.modules = ModuleWatch(stop=stop)
@@ -85,29 +87,34 @@ class CallAudit:
         else:
             self.modules.push_root(model, args, kwargs)
         self.recorder = Recorder()
-        self.saved = SavedTensors(self.modules.current)
+        self.saved = SavedTensors()
         self.watch = WriteWatch(self.modules, self.saved, self.recorder)
         self.report = AuditReport(modules=self.modules.watched)
         self.files = source_files(model)
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[AuditReport]:
-        """Watches what runs inside; fills the report when it ends (raising or not)."""
+        """Fills the report when it ends (raising or not), and leaves nothing behind."""
         try:
-            with self.saved, self.watch:
-                yield self.report
+            yield self.report
         finally:
             self.watch.tracer.stop()
+            self.watch.forget()
             self.modules.detach()
             self.report.findings, self.report.moves = self.recorder.findings(), self.recorder.moves()
             self.report.ops, self.report.calls = self.watch.ops, self.modules.calls
+
+    def forward(self) -> contextlib.AbstractContextManager:
+        """The forward phase: every aten op through the write watch."""
+        return self.watch
 
     def backward(self, out: Any, keep: bool, leaves: Iterable[Tensor] = ()) -> None:
         """The backward phase: errors recorded in ``backward_error``, not raised."""
         self.watch.phase = "backward"
         try:
-            backward_from(out, keep, leaves)
-        except Exception as e:
+            with PythonCalls(self.watch):
+                backward_from(out, keep, leaves)
+        except Exception as e:  # the model's own error: recorded, findings before it kept
             self.report.backward_error = describe(e)
         self.watch.confirm(None)
 
@@ -228,7 +235,8 @@ class AuditScope:
         try:
             with unit.watching() as report:
                 try:
-                    out = _ORIGINAL_CALL(module, *args, **kwargs)
+                    with unit.forward():
+                        out = _ORIGINAL_CALL(module, *args, **kwargs)
                 except Exception as e:
                     report.error = describe(e)
                     raise

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
-from types import FrameType
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from types import CodeType, FrameType
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from . import frames
 
@@ -21,10 +21,17 @@ __all__ = ["Site", "resolve", "write_site"]
 _COLUMNS: Dict[str, Tuple[int, int]] = {}
 
 
+_CODE_POSITIONS: Dict[CodeType, List[Tuple[Any, ...]]] = {}
+
+
 def _positions(frame: FrameType) -> Optional[Tuple[int, int]]:
     """The columns of the instruction ``frame`` is at (3.11+), when it starts and ends on its line."""
+    code = frame.f_code
     try:
-        positions = list(frame.f_code.co_positions())[frame.f_lasti // 2]
+        found = _CODE_POSITIONS.get(code)
+        if found is None:
+            found = _CODE_POSITIONS[code] = list(code.co_positions())
+        positions = found[frame.f_lasti // 2]
     except (AttributeError, IndexError):
         return None
     line, end_line, col, end_col = positions

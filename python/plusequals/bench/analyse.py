@@ -196,7 +196,31 @@ def targets(results: Results) -> list[Target]:
         return Target(target=name, value=value, limit=limit, unit=unit, status=status, detail=detail)
 
     speed = _speed_targets(results, target) + [_memory_target(results, target)]
-    return speed + _boundary_targets(results, target) + _crossing_targets(results)
+    return speed + _boundary_targets(results, target) + _crossing_targets(results) + _audit_cost_target(results)
+
+
+AUDITED, ANOMALY = "plusequals.audit", "anomaly mode"  # audit_cost.py's probes
+
+
+def _audit_cost_target(results: Results) -> list[Target]:
+    """The audit within ``target`` times an eager resnet18 train step (the audit's cost cell):
+    met or missed on any device, since the cell runs on the CPU."""
+    ac = results.audit_cost
+    audited = ac.row(AUDITED) if ac is not None else None
+    if audited is None:
+        return []
+    anomaly = ac.row(ANOMALY)
+    beside = "" if anomaly is None else f"; anomaly mode {fmt(anomaly.vs_eager)}"
+    return [
+        Target(
+            target=f"plusequals.audit <= {fmt(ac.target)}x an eager train step (resnet18, CPU)",
+            value=audited.vs_eager,
+            limit=ac.target,
+            unit="x",
+            status="met" if audited.vs_eager <= ac.target else "missed",
+            detail=f"paired within rounds: median [{fmt(audited.vs_eager_q1)}, {fmt(audited.vs_eager_q3)}]{beside}",
+        )
+    ]
 
 
 def _crossing_targets(results: Results) -> list[Target]:

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .. import _rust
-from . import compilers, inductor, timing, unet
+from . import audit_cost, compilers, inductor, timing, unet
 from .results import Boundary, Cell, CompilerInfo, HostCost, PerShape, Profile, Recorder, Results, Row, Timing
 from .setup import (
     HOST_BATCH,
@@ -122,11 +122,20 @@ class Plan:
     inductor_cache: Optional[str] = None
     inductor_cache_warm: Optional[bool] = None
     compile_batches: tuple[int, ...] = BATCHES  # the batches whose cells time torch.compile
+    audit_cost: bool = True  # the audit's cost on a resnet18 train step (audit_cost.py)
 
 
-def plan(device: str, quick: bool, unet: bool = True, compile: bool = True, compilers_flag: bool = True) -> Plan:
+def plan(
+    device: str,
+    quick: bool,
+    unet: bool = True,
+    compile: bool = True,
+    compilers_flag: bool = True,
+    audit_cost_flag: bool = True,
+) -> Plan:
     """The run's settings for ``device`` at the quick or the SD v1 shapes; ``compile`` and
-    ``compilers_flag``: measure torch.compile, and JAX / ONNX Runtime where installed."""
+    ``compilers_flag``: measure torch.compile, and JAX / ONNX Runtime where installed;
+    ``audit_cost_flag``: the audit's cost cell."""
     rounds = 11 if device == "cuda" else (9 if quick else 7)
     with_compile = compile
     skipped = "--no-compile"
@@ -148,6 +157,7 @@ def plan(device: str, quick: bool, unet: bool = True, compile: bool = True, comp
         # quick on the CPU: the seed's batch only (its 7 % is a batch-2 claim), since each cell's
         # two compiles cost seconds to tens of seconds on a small CPU (cold cache)
         compile_batches=BATCHES[:1] if (quick and device == "cpu") else BATCHES,
+        audit_cost=audit_cost_flag,
     )
 
 
@@ -448,8 +458,9 @@ def eager_blocks_ms(data: dict) -> Optional[float]:
 
 # ----------------------------------------------------------------------------- the run
 def measure(p: Plan, outdir: Path, console: Console) -> Recorder:
-    """Every cell, the host-cost cell and (``p.unet``) the whole UNet step, written to
-    ``outdir``/results.json as they are measured; the returned ``Recorder`` holds it."""
+    """Every cell, the host-cost cell, (``p.unet``) the whole UNet step and (``p.audit_cost``) the
+    audit's cost, written to ``outdir``/results.json as they are measured; the returned
+    ``Recorder`` holds it."""
     outdir.mkdir(parents=True, exist_ok=True)
     rec = Recorder(outdir, {"schema": 2, "complete": False, "environment": environment(p.device), "config": config(p)})
     console.print(
@@ -499,4 +510,7 @@ def measure(p: Plan, outdir: Path, console: Console) -> Recorder:
             p.torch_compile,
         )
         rec.set("unet_step", step)
+    if p.audit_cost:
+        console.print("the audit's cost on a resnet18 train step ...")
+        rec.set("audit_cost", audit_cost.measure(p.sample_s, ROUND_SEED + len(cells) + 2))
     return rec

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from .analyse import EXTRA_PAIRS, verdict_items
-from .results import HostCost, Paired, Results, Row, UnetRow, fmt
+from .results import AuditCost, HostCost, Paired, Results, Row, UnetRow, fmt
 
 # Marks a paired ratio whose interquartile interval contains 1.
 NOISE_MARK = "≈"
@@ -390,6 +390,68 @@ def _unet(res: Results) -> list[str]:
     return md
 
 
+AUDIT_COST = "The audit's cost on a training step"
+AUDITED, ANOMALY, BARE = "plusequals.audit", "anomaly mode", "a TorchDispatchMode that does nothing (forward)"
+
+
+def _paired(r: Optional[UnetRow]) -> str:
+    return "-" if r is None else ratio(r.vs_eager, r.vs_eager_q1, r.vs_eager_q3, r.within_noise)
+
+
+def audit_cost_sentences(ac: AuditCost) -> list[str]:
+    """What the cell says: the audit's and anomaly mode's paired ratios to eager, the target met
+    or missed, and where the time goes (the floor any dispatch mode sets)."""
+    audited, anomaly, bare = ac.row(AUDITED), ac.row(ANOMALY), ac.row(BARE)
+    if audited is None:
+        return []
+    met = audited.vs_eager <= ac.target
+    said = [
+        f"`plusequals.audit(model, x, backward=True)` costs {_paired(audited)} times an eager step, paired, and "
+        f"anomaly mode {_paired(anomaly)}: the target (the audit within {fmt(ac.target)} times eager) is "
+        + ("met." if met else "missed.")
+    ]
+    if bare is not None:
+        said.append(
+            f"Where the time goes: a TorchDispatchMode that does nothing, over the forward alone, costs "
+            f"{_paired(bare)} (torch's Python dispatch of each aten op, the floor under any such mode); the rest is "
+            "the audit's own Python: a hook pair per module call, each op's outputs noted for what autograd saves, "
+            "and each write's checks. In backward only the Python code that backward runs is dispatched."
+        )
+    return said
+
+
+def _audit_cost(res: Results) -> list[str]:
+    ac = res.audit_cost
+    if ac is None:
+        return []
+    md = ["", f"## {AUDIT_COST}", ""]
+    if ac.skipped:
+        return md + [f"Skipped: {ac.skipped}"]
+    rows = [[r.name, fmt(r.median_ms), fmt(r.iqr_ms), unet_ratio_cell(r)] for r in ac.rows]
+    md += [ac.what, "", table(["step", "median ms", "IQR ms", "vs eager (paired)"], rows), ""]
+    md += [" ".join(audit_cost_sentences(ac))]
+    if ac.audit is not None:
+        md += ["", f"What the audit found in the step: {ac.audit}."]
+    return md
+
+
+def audit_cost_claim(data: dict) -> str:
+    """The guide's sentence on the audit's cost (docs/guide/audit.md, checked against the
+    committed results.json by tests/test_readme.py)."""
+    ac = Results.load(data).audit_cost
+    if ac is None or ac.skipped or ac.row(AUDITED) is None:
+        return (
+            "The committed CPU report predates the audit's cost cell (a resnet18 train step, eager beside anomaly "
+            "mode and the audit): `python -m plusequals report` measures it."
+        )
+    eager = ac.row("eager")
+    step = f"{fmt(eager.median_ms)} ms eager, " if eager is not None else ""
+    return (
+        f"In the committed CPU report, a resnet18 train step (batch 2, 64 x 64, one thread) takes {step}"
+        f"{fmt(ac.row(AUDITED).median_ms)} ms through `audit()`. " + " ".join(audit_cost_sentences(ac))
+    )
+
+
 def _conclusions(res: Results) -> list[str]:
     rows = [
         [t.target, "-" if t.value is None else f"{fmt(t.value)} {t.unit}", fmt(t.limit), t.status, t.detail]
@@ -412,7 +474,7 @@ def render(data: dict) -> str:
     md = _header(res) + _machine(res)
     for batch in res.batches:
         md += _batch(res, batch)
-    md += _profile(res) + _boundary(res) + _host_cost(res) + _unet(res) + _conclusions(res)
+    md += _profile(res) + _boundary(res) + _host_cost(res) + _unet(res) + _audit_cost(res) + _conclusions(res)
     return "\n".join(md) + "\n"
 
 

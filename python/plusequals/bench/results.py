@@ -212,6 +212,27 @@ class UnetStep(Record):
 
 
 @dataclass(frozen=True)
+class AuditCost(Record):
+    """What ``plusequals.audit`` costs on a resnet18 train step (written by :mod:`.audit_cost`):
+    each probe's time and paired ratio to eager, the issue's target, what the audit found."""
+
+    what: str = ""
+    threads: int = 1
+    target: float = 1.25
+    rows: list[UnetRow] = field(default_factory=list)
+    audit: Optional[str] = None  # the audit's summary of the step, and its moves
+    rounds: Optional[dict[str, Any]] = None  # as ``Rounds.record``
+    skipped: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> AuditCost:
+        return replace(super().from_json(d), rows=[UnetRow.from_json(r) for r in d.get("rows", [])])
+
+    def row(self, name: str) -> Optional[UnetRow]:
+        return next((r for r in self.rows if r.name == name), None)
+
+
+@dataclass(frozen=True)
 class HostCost(Record):
     """The host-cost cell: its shape (``Shape.record``), context, thread count, rounds (as
     ``Rounds.record``), one ``Timing`` per variant and (once analysed) their paired ratios."""
@@ -390,6 +411,7 @@ class Results:
     profile: list[Profile]
     host_cost: Optional[HostCost]
     unet_step: Optional[UnetStep]
+    audit_cost: Optional[AuditCost]
     compiler_verdict: Optional[dict[str, Any]]
     elapsed_s: float
     paired: dict[tuple[int, str, str, str], Paired]  # (batch, shape, variant, vs)
@@ -415,6 +437,7 @@ class Results:
             profile=listed("profile", Profile),
             host_cost=HostCost.from_json(data["host_cost"]) if "host_cost" in data else None,
             unet_step=UnetStep.from_json(data["unet_step"]) if "unet_step" in data else None,
+            audit_cost=AuditCost.from_json(data["audit_cost"]) if "audit_cost" in data else None,
             compiler_verdict=data.get("compiler_verdict"),
             elapsed_s=data.get("elapsed_s", 0.0),
             paired={(p.batch, p.shape, p.variant, p.vs): p for p in listed("paired", Paired)},

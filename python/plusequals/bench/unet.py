@@ -93,7 +93,7 @@ def measure(
             out["compile_skipped"] = "--no-compile" if not compile else "--quick on the CPU"
         r = interleaved_rounds(probes, rounds, seed, sample_s)
         out["rounds"] = r.record()
-        out["rows"] = [_row(name, r.raw_ms).to_json() for name in probes]
+        out["rows"] = [step_row(name, r.raw_ms).to_json() for name in probes]
         step_ms = out["rows"][0]["median_ms"]
         out["block_share"] = (
             _block_share_cpu(blocks, step(unet)) if device == "cpu" else _block_share_cuda(blocks_ms, step_ms, quick)
@@ -157,7 +157,8 @@ def _compiled(unet: torch.nn.Module, step: Callable, device: str, out: dict) -> 
     return compiled
 
 
-def _row(name: str, raw_ms: dict[str, list[float]]) -> UnetRow:
+def step_row(name: str, raw_ms: dict[str, list[float]]) -> UnetRow:
+    """One probe of a whole step: its time over the rounds and its ratio to ``eager``, paired per round."""
     ms = spread(raw_ms[name])
     vs = spread(paired_ratios(raw_ms[name], raw_ms["eager"]))
     return UnetRow(

@@ -31,6 +31,7 @@ def run(
     compile: bool = True,
     compilers_flag: bool = True,
     output: str = "rich",
+    audit_cost: bool = True,
 ) -> int:
     """``quick=None``: quick shapes on the CPU (SD v1 shapes are long on a small CPU), SD v1 shapes on CUDA.
     ``output``: "rich" (progress, then the summary), "quiet" (REPORT.md's path alone) or "json"
@@ -42,7 +43,7 @@ def run(
         return 2
     console = Console(quiet=output != "rich")
     outdir = Path(out)
-    plan = measure.plan(device, quick, unet, compile, compilers_flag)
+    plan = measure.plan(device, quick, unet, compile, compilers_flag, audit_cost)
     with stdout_to_stderr() if output == "json" else contextlib.nullcontext(), inductor_cache(plan) as plan:
         data = report(plan, outdir, console)
     emit(data, outdir, output, console)
