@@ -84,6 +84,9 @@ impl Linear {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut result = x.f_linear(&self.weight, self.bias.as_ref())?;
+        if self.lora.is_empty() {
+            return Ok(result); // nn.Linear: no dtype bookkeeping on the common path
+        }
         let kind = result.f_kind()?;
         let mut input: Option<Tensor> = None;
         for t in &self.lora {
