@@ -1,5 +1,6 @@
-"""What the audit costs on a resnet18 train step (issue 31): eager, anomaly mode and
-``plusequals.audit(..., backward=True)`` side by side, in interleaved rounds (the report's design,
+"""What the audit costs on a resnet18 train step (issue 31): the report's cell
+(``plusequals.bench.audit_cost``) alone, eager, anomaly mode, ``plusequals.audit(..., backward=True)``
+and a dispatch mode that does nothing, side by side, in interleaved rounds (the report's design,
 ``plusequals.bench.timing``), compared within each round (paired ratios).
 
     python scripts/audit_cost.py [--rounds 15] [--profile] [--cpu-time]
@@ -20,26 +21,8 @@ import time
 import torch
 import torchvision
 
-from plusequals.audit import audit
+from plusequals.bench.audit_cost import AUDITED, EAGER, probes
 from plusequals.bench.timing import interleaved_rounds, paired_ratios, spread
-
-
-def probes(model: torch.nn.Module, x: torch.Tensor) -> dict:
-    def eager() -> None:
-        model.zero_grad(set_to_none=True)
-        model(x).sum().backward()
-
-    def anomaly() -> None:
-        model.zero_grad(set_to_none=True)
-        with torch.autograd.detect_anomaly(check_nan=False):
-            model(x).sum().backward()
-
-    def audited() -> None:
-        model.zero_grad(set_to_none=True)
-        report = audit(model, x, backward=True)
-        assert report.clean and report.backward_error is None, report.summary()
-
-    return {"eager": eager, "anomaly mode": anomaly, "plusequals.audit": audited}
 
 
 def main() -> None:
@@ -57,13 +40,13 @@ def main() -> None:
     x = torch.randn(2, 3, 64, 64)
     p = probes(model, x)
     rounds = interleaved_rounds(p, rounds=args.rounds, seed=0, sample_s=0.3, clock=clock)
-    eager = rounds.raw_ms["eager"]
+    eager = rounds.raw_ms[EAGER]
     for name, times in rounds.raw_ms.items():
         s, r = spread(times), spread(paired_ratios(times, eager))
-        print(f"{name:18s} {s.median:7.2f} ms [{s.q1:.2f}, {s.q3:.2f}]  x{r.median:.2f} [{r.q1:.2f}, {r.q3:.2f}] eager")
+        print(f"{name:48s} {s.median:7.2f} ms [{s.q1:.2f}, {s.q3:.2f}]  x{r.median:.2f} [{r.q1:.2f}, {r.q3:.2f}] eager")
     if args.profile:
         profile = cProfile.Profile()
-        profile.runcall(lambda: [p["plusequals.audit"]() for _ in range(10)])
+        profile.runcall(lambda: [p[AUDITED]() for _ in range(10)])
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
