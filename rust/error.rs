@@ -139,6 +139,28 @@ pub enum Holders {
     Cpp,
 }
 
+impl Holders {
+    /// What [`Alias::OtherHandles`]' message says of them, after "has n other handle(s)".
+    fn said(self) -> &'static str {
+        match self {
+            Holders::Views => {
+                "on it, and other tensors share its storage: a view of it is alive (a view, reshape, slice, \
+                 transpose or expand of x holds its base), which would read the in-place writes; drop the view \
+                 first, or pass x.clone()"
+            }
+            Holders::Rust => {
+                "on the tensor itself, and no view of it: a shallow_clone, the handle an in-place op returned, or \
+                 a tensor autograd saved for backward, which would read the in-place writes"
+            }
+            Holders::Cpp => {
+                "held by C++, not by a Python name (Python's names share one handle) and not by a view: autograd \
+                 saved x for a backward that has not run (an op recorded with grad on, such as y = x * w), or a \
+                 DLPack export (JAX) or a C++ extension keeps it; run or drop that graph first, or pass x.clone()"
+            }
+        }
+    }
+}
+
 impl Alias {
     /// The kind, as Python's `OwnershipError.why` spells it.
     pub fn kind(&self) -> &'static str {
@@ -194,24 +216,7 @@ impl Alias {
 impl fmt::Display for Alias {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Alias::OtherHandles(n, Holders::Views) => write!(
-                f,
-                "has {n} other handle(s) on it, and other tensors share its storage: a view of it is alive (a \
-                 view, reshape, slice, transpose or expand of x holds its base), which would read the in-place \
-                 writes; drop the view first, or pass x.clone()"
-            ),
-            Alias::OtherHandles(n, Holders::Rust) => write!(
-                f,
-                "has {n} other handle(s) on the tensor itself, and no view of it: a shallow_clone, the handle an \
-                 in-place op returned, or a tensor autograd saved for backward, which would read the in-place writes"
-            ),
-            Alias::OtherHandles(n, Holders::Cpp) => write!(
-                f,
-                "has {n} other handle(s) held by C++, not by a Python name (Python's names share one handle) and \
-                 not by a view: autograd saved x for a backward that has not run (an op recorded with grad on, such \
-                 as y = x * w), or a DLPack export (JAX) or a C++ extension keeps it; run or drop that graph first, \
-                 or pass x.clone()"
-            ),
+            Alias::OtherHandles(n, holders) => write!(f, "has {n} other handle(s) {}", holders.said()),
             Alias::WeakRefs(n) => write!(
                 f,
                 "has {n} weak reference(s) on it or its storage (torch.multiprocessing's StorageWeakRef, a Python \
