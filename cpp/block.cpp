@@ -25,14 +25,9 @@ at::Tensor CrossAttention::forward(const at::Tensor& x, const std::optional<at::
                                    const std::optional<at::Tensor>& mask_) const {
   if (attention == Attention::Sdpa) return to_out.forward(attend(x, context_, mask_).second);
   const int64_t h = heads;
-  const at::Tensor q = to_q.forward(x);
-  const at::Tensor& context = context_.has_value() ? *context_ : x;
-  const at::Tensor k = to_k.forward(context);
-  const at::Tensor v = to_v.forward(context);
+  const auto [q, k, v, mask] = project(x, context_, mask_);
   const int64_t b = q.size(0), n = q.size(1), inner = q.size(2);
   const int64_t d = inner / h;
-  const std::optional<at::Tensor> mask =
-      mask_.has_value() ? std::optional<at::Tensor>(per_head(*mask_, b, h)) : std::nullopt;
   // The einsum path. 'b n (h d) -> (b h) n d'
   auto split = [&](const at::Tensor& t) { return t.reshape({b, -1, h, d}).permute({0, 2, 1, 3}).reshape({b * h, -1, d}); };
   at::Tensor sim = at::einsum("b i d, b j d -> b i j", {split(q), split(k)}) * scale;
@@ -44,18 +39,24 @@ at::Tensor CrossAttention::forward(const at::Tensor& x, const std::optional<at::
   return to_out.forward(out.reshape({b, h, n, d}).permute({0, 2, 1, 3}).reshape({b, n, h * d}));
 }
 
-std::pair<at::Tensor, at::Tensor> CrossAttention::attend(const at::Tensor& x,
-                                                         const std::optional<at::Tensor>& context_,
-                                                         const std::optional<at::Tensor>& mask_) const {
-  const int64_t h = heads;
+Projected CrossAttention::project(const at::Tensor& x, const std::optional<at::Tensor>& context_,
+                                 const std::optional<at::Tensor>& mask_) const {
   const at::Tensor q = to_q.forward(x);
   const at::Tensor& context = context_.has_value() ? *context_ : x;
   const at::Tensor k = to_k.forward(context);
   const at::Tensor v = to_v.forward(context);
+  const std::optional<at::Tensor> mask =
+      mask_.has_value() ? std::optional<at::Tensor>(per_head(*mask_, q.size(0), heads)) : std::nullopt;
+  return {q, k, v, mask};
+}
+
+std::pair<at::Tensor, at::Tensor> CrossAttention::attend(const at::Tensor& x,
+                                                         const std::optional<at::Tensor>& context_,
+                                                         const std::optional<at::Tensor>& mask_) const {
+  const int64_t h = heads;
+  const auto [q, k, v, mask] = project(x, context_, mask_);
   const int64_t b = q.size(0), n = q.size(1), inner = q.size(2);
   const int64_t d = inner / h;
-  const std::optional<at::Tensor> mask =
-      mask_.has_value() ? std::optional<at::Tensor>(per_head(*mask_, b, h)) : std::nullopt;
   // 'b n (h d) -> b h n d'
   auto split = [&](const at::Tensor& t) { return t.reshape({b, -1, h, d}).transpose(1, 2); };
   const at::Tensor qh = split(q);

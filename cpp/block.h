@@ -49,6 +49,12 @@ struct IpAdapter {
   at::Tensor term(const at::Tensor& q, const at::Tensor& image) const;
 };
 
+// q, k and v (b, n, h * d) and the mask per head (`CrossAttention::project`).
+struct Projected {
+  at::Tensor q, k, v;
+  std::optional<at::Tensor> mask;
+};
+
 // CompVis `CrossAttention`: bias-free `to_q`/`to_k`/`to_v`, `to_out.0` with bias.
 struct CrossAttention {
   Linear to_q, to_k, to_v, to_out;
@@ -62,6 +68,10 @@ struct CrossAttention {
   // `forward` plus IP-Adapter's decoupled cross-attention on `images` (rust/block.rs, forward_ip).
   at::Tensor forward_ip(const at::Tensor& x, const std::optional<at::Tensor>& context,
                         const std::optional<at::Tensor>& mask, const Images& images) const;
+  // Where both attention paths start: `to_q(x)`, `to_k`/`to_v` of the context (`x` when none),
+  // each (b, n, h * d), and the mask per head.
+  Projected project(const at::Tensor& x, const std::optional<at::Tensor>& context,
+                    const std::optional<at::Tensor>& mask) const;
   // The text attention of the SDPA path before `to_out`: (q split per head, the attention).
   std::pair<at::Tensor, at::Tensor> attend(const at::Tensor& x, const std::optional<at::Tensor>& context,
                                            const std::optional<at::Tensor>& mask) const;

@@ -83,6 +83,9 @@ impl LayerNorm {
     }
 }
 
+/// q, k and v (b, n, h * d) and the mask per head ([`CrossAttention::project`]).
+type Projected = (Tensor, Tensor, Tensor, Option<Tensor>);
+
 /// CompVis `CrossAttention`: bias-free `to_q`/`to_k`/`to_v`, `to_out.0` with bias.
 pub struct CrossAttention {
     pub to_q: Linear,
@@ -152,16 +155,22 @@ impl CrossAttention {
         self.to_out.forward(&out)
     }
 
-    /// The text attention of the SDPA path before `to_out`: (q split per head, the attention).
-    fn attend(&self, x: &Tensor, context: Option<&Tensor>, mask: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
-        let h = self.heads;
+    /// Where both attention paths start: `to_q(x)`, `to_k`/`to_v` of the context (`x` when None), the mask per head.
+    fn project(&self, x: &Tensor, context: Option<&Tensor>, mask: Option<&Tensor>) -> Result<Projected> {
         let q = self.to_q.forward(x)?;
         let context = context.unwrap_or(x);
         let k = self.to_k.forward(context)?;
         let v = self.to_v.forward(context)?;
+        let mask = mask.map(|m| per_head(m, q.size3()?.0, self.heads)).transpose()?;
+        Ok((q, k, v, mask))
+    }
+
+    /// The text attention of the SDPA path before `to_out`: (q split per head, the attention).
+    fn attend(&self, x: &Tensor, context: Option<&Tensor>, mask: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        let h = self.heads;
+        let (q, k, v, mask) = self.project(x, context, mask)?;
         let (b, n, inner) = q.size3()?;
         let d = inner / h;
-        let mask = mask.map(|m| per_head(m, b, h)).transpose()?;
         let split = |t: &Tensor| -> Result<Tensor> { Ok(t.f_reshape([b, -1, h, d])?.f_transpose(1, 2)?) };
         let (q, k, v) = (split(&q)?, split(&k)?, split(&v)?);
         let out = Tensor::f_scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), 0.0, false, self.scale, false)?;
@@ -178,13 +187,9 @@ impl CrossAttention {
             return self.to_out.forward(&self.attend(x, context, mask)?.1);
         }
         let h = self.heads;
-        let q = self.to_q.forward(x)?;
-        let context = context.unwrap_or(x);
-        let k = self.to_k.forward(context)?;
-        let v = self.to_v.forward(context)?;
+        let (q, k, v, mask) = self.project(x, context, mask)?;
         let (b, n, inner) = q.size3()?;
         let d = inner / h;
-        let mask = mask.map(|m| per_head(m, b, h)).transpose()?;
         // The einsum path. 'b n (h d) -> (b h) n d'
         let split = |t: &Tensor| -> Result<Tensor> {
             Ok(t.f_reshape([b, -1, h, d])?.f_permute([0, 2, 1, 3])?.f_reshape([b * h, -1, d])?)

@@ -129,13 +129,9 @@ class CrossAttention(nn.Module):
         if self.attention == "sdpa":
             return self.to_out(self.attend(x, context, mask)[1])
         h = self.heads
-        q = self.to_q(x)
-        context = x if context is None else context
-        k = self.to_k(context)
-        v = self.to_v(context)
+        q, k, v, mask = self.project(x, context, mask)
         b, n, inner = q.shape
         d = inner // h
-        mask = None if mask is None else per_head(mask, b, h)
         # The einsum path. 'b n (h d) -> (b h) n d'
         q, k, v = (t.reshape(b, -1, h, d).permute(0, 2, 1, 3).reshape(b * h, -1, d) for t in (q, k, v))
         sim = torch.einsum("b i d, b j d -> b i j", q, k) * self.scale
@@ -165,16 +161,24 @@ class CrossAttention(nn.Module):
             out = out + ip.term(q, image)
         return self.to_out(out)
 
-    def attend(self, x: Tensor, context: Optional[Tensor], mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        """The text attention of the SDPA path before ``to_out``: (q split per head, the attention)."""
-        h = self.heads
+    def project(
+        self, x: Tensor, context: Optional[Tensor], mask: Optional[Tensor]
+    ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+        """Where both attention paths start: ``to_q(x)``, ``to_k``/``to_v`` of the context (``x`` when
+        None), each (b, n, h * d), and the mask per head."""
         q = self.to_q(x)
         context = x if context is None else context
         k = self.to_k(context)
         v = self.to_v(context)
+        mask = None if mask is None else per_head(mask, q.shape[0], self.heads)
+        return q, k, v, mask
+
+    def attend(self, x: Tensor, context: Optional[Tensor], mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        """The text attention of the SDPA path before ``to_out``: (q split per head, the attention)."""
+        h = self.heads
+        q, k, v, mask = self.project(x, context, mask)
         b, n, inner = q.shape
         d = inner // h
-        mask = None if mask is None else per_head(mask, b, h)
         # 'b n (h d) -> b h n d'
         q, k, v = (t.reshape(b, -1, h, d).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
