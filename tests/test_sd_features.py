@@ -187,9 +187,13 @@ def test_ip_adapter_where_the_rust_block_cannot_run_it_is_refused_naming_it():
         x, text, image = torch.empty(2, 16, 32), torch.empty(2, 77, 32), torch.empty(2, 1, 4, 32)
         with pytest.raises(UnsupportedBlockError, match="a block with an IP-Adapter cannot be traced"):
             rust(x, encoder_hidden_states=(text, [image]))
+    state = snapshot(unet)
     Pipe(unet).set_ip_adapter_scale([[0.5]])  # per-image scales
     with pytest.raises(UnsupportedBlockError, match=r"attn2.processor.scale\[0\] is \[0.5\]: per-image scales"):
         run(unet)
+    assert all(torch.equal(v, state[k]) for k, v in unet.state_dict().items())  # the refusal wrote nothing
+    Pipe(unet).set_ip_adapter_scale(0.5)
+    assert run(unet).isfinite().all()  # and the UNet runs again once the scale is one number
 
 
 def test_a_tuple_for_a_processor_that_takes_one_tensor_is_refused_naming_ip_adapter():
@@ -198,9 +202,13 @@ def test_a_tuple_for_a_processor_that_takes_one_tensor_is_refused_naming_ip_adap
     unet = make_unet()
     swap_transformer_blocks(unet)
     block = next(m for m in unet.modules() if isinstance(m, RustTransformerBlock))
-    x, text = torch.randn(2, 16, 32), torch.randn(2, 77, 32)
+    x, text, image = torch.randn(2, 16, 32), torch.randn(2, 77, 32), torch.randn(2, 1, 4, 32)
+    before = [t.clone() for t in (x, text, image)]
     with pytest.raises(UnsupportedBlockError, match="encoder_hidden_states is a tuple, IP-Adapter's"):
-        block(x, encoder_hidden_states=(text, [torch.randn(2, 1, 4, 32)]))
+        block(x, encoder_hidden_states=(text, [image]))
+    assert all(torch.equal(t, b) for t, b in zip((x, text, image), before))  # nothing written
+    with torch.no_grad():
+        assert torch.equal(block(x, encoder_hidden_states=text), block.original(x, encoder_hidden_states=text))
 
 
 def test_layerwise_casting_runs_in_rust_then_undone_is_followed():
