@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -5,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))  # compvis_reference
 
@@ -16,6 +18,38 @@ from plusequals.model.blocks import randomize_  # noqa: E402,F401  (tests import
 SHAPES = [(256, 80, 8, 10), (64, 160, 8, 20), (16, 320, 8, 40), (4, 320, 8, 40)]
 CONTEXT = (77, 192)
 BATCH = 2
+
+# Hypothesis profiles (HYPOTHESIS_PROFILE): "ci", what `make test` runs, keeps every test's own
+# budget; "dev" (`make check`) runs a quarter of each, for a quick loop. A test writes its budget
+# at the ci scale through examples(n).
+settings.register_profile("ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def examples(n: int) -> int:
+    """``n`` examples in the ci profile, scaled by the loaded profile (at least 1)."""
+    return max(1, n * settings.default.max_examples // 100)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker holds libtorch to its share of the cores (OMP threads
+    sharing a core wait at every op's barrier); a test that changes the count puts it back.
+    The children a test starts inherit the share through OMP_NUM_THREADS."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(share)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that read the quick report run on one xdist worker (--dist loadgroup): a session
+    fixture is made once per worker, and the report is the suite's longest fixture."""
+    for item in items:
+        if {"quick_report", "quick_report_run"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("quick_report"))
+
 
 CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -25,6 +25,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from boundary_helpers import _raw_block, assert_matches, same_bits, small_block, small_inputs
+from conftest import examples
 from plusequals import DonatedTensor, OwnershipError, RustBlock
 from plusequals.twin import aliases
 
@@ -218,7 +219,7 @@ _SAVED = {
 }
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(
     views=st.lists(st.sampled_from(sorted(_VIEWS)), max_size=2),
     saved=st.lists(st.sampled_from(sorted(_SAVED)), max_size=2),

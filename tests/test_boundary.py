@@ -12,7 +12,7 @@ test_aliases.py, threads and the GIL in test_threads.py; their helpers in bounda
 2. No caller-visible mutation: after every call with ``donate=False`` the caller's tensors
    (and a state_dict's, a module's parameters) are bitwise unchanged; with ``donate=True``,
    a refused call leaves ``x`` unchanged and usable.
-4. Leaks: 10 000 calls grow the native heap by < 4 bytes per call, Python's allocated blocks by
+4. Leaks: 4000 calls grow the native heap by < 4 bytes per call, Python's allocated blocks by
    < 0.1 per call and RSS by < 1 MB (child process), and planted 8-byte-per-call leaks are
    caught; CUDA memory returns to baseline.
 5. Shared weights: an optimizer step on the PyTorch block is seen by the RustBlock.
@@ -884,10 +884,11 @@ FUZZERS = {
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_child(args, timeout=300) -> dict:
+def run_child(args, timeout=None) -> dict:
     """Runs ``python <args>`` in a child process; a crash (negative return code: killed by a
     signal, e.g. SIGABRT from a C++ abort or SIGSEGV) or any failure fails the caller. Returns
-    the JSON report the child printed last."""
+    the JSON report the child printed last. No time limit by default: the work is counted (cases,
+    calls), and a hang is pytest-timeout's (pyproject.toml), however busy the machine."""
     proc = subprocess.run(
         [sys.executable, "-X", "faulthandler", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
@@ -927,6 +928,7 @@ REQUIRED_TENSOR_PROBLEMS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", sorted(FUZZERS))
 def test_fuzz_bad_inputs(entry):
     """500 generated cases per entry point, in a child process: each call equals the PyTorch
@@ -956,7 +958,7 @@ def test_fuzz_bad_inputs(entry):
 # ============================================================================ 4. leaks
 
 
-LEAK_WINDOW = 5000  # calls per measurement window; two windows per kind, 10 000 calls
+LEAK_WINDOW = 2000  # calls per measurement window; two windows per kind, 4000 calls
 LEAK_BYTES_PER_CALL = 4  # the threshold: a kind leaks if the heap grows this much per call in every window
 LEAK_BLOCKS_PER_CALL = 0.1  # the same for Python objects (sys.getallocatedblocks)
 
@@ -1052,13 +1054,13 @@ def leak_main() -> dict:
         # Box<u64>, a leaked handle struct), and an 8-byte handle kept per call in Python.
         "control_native_8_bytes": lambda: libc.malloc(8),
         "control_python_handle_8_bytes": lambda: kept.append(x),
-        "control_rss_1k": lambda: kept.append(torch.empty(256)),  # RSS: 10 MB
+        "control_rss_1k": lambda: kept.append(torch.empty(256)),  # RSS: 4 MB
     }
     native = _native_heap()
     proc = psutil.Process()
     report = {"native_available": native is not None, "window": LEAK_WINDOW, "kinds": {}}
     for name, fn in kinds.items():
-        for _ in range(1000):
+        for _ in range(500):
             fn()
         windows = []
         rss0 = proc.memory_info().rss
@@ -1078,16 +1080,17 @@ def leak_main() -> dict:
     return report
 
 
-def test_no_leak_10k_calls_cpu():
-    """After warm-up, 10 000 calls of each entry point (and of a refused call, a backward
-    through Rust, block construction, the custom op) in two windows of 5000: the native heap
+@pytest.mark.slow
+def test_no_leak_over_4000_calls_cpu():
+    """After warm-up, 4000 calls of each entry point (and of a refused call, a backward
+    through Rust, block construction, the custom op) in two windows of 2000: the native heap
     (glibc's in-use bytes) grows by < 4 bytes per call and Python's allocated blocks by < 0.1 per
     call in at least one window (a leak grows in both; a cache filling up or a table resizing
     does not), and RSS by < 1 MB. The controls are detected: an 8-byte native allocation per
     call (32 bytes of heap: glibc's smallest chunk) and an 8-byte handle kept per call in
     Python (a list slot: ~9 bytes of heap), and a 1 KiB-per-call leak in RSS. In a child
     process, for a clean heap."""
-    report = run_child([str(Path(__file__).resolve()), "leak"], timeout=300)
+    report = run_child([str(Path(__file__).resolve()), "leak"])
     if not report["native_available"]:
         pytest.skip("needs glibc's mallinfo2 to count heap bytes (RSS alone misses leaks below a page per call)")
     kinds = dict(report["kinds"])
@@ -1099,8 +1102,8 @@ def test_no_leak_10k_calls_cpu():
     assert len(kinds) == 8 and len(controls) == 3
     for name in ("control_native_8_bytes", "control_python_handle_8_bytes"):
         assert rate(name, "heap_per_call") >= LEAK_BYTES_PER_CALL, f"the measurement missed {name}: {controls[name]}"
-    assert controls["control_rss_1k"]["rss"] > 5 * 2**20, (
-        f"the RSS measurement missed a 10 MB leak: {controls['control_rss_1k']}"
+    assert controls["control_rss_1k"]["rss"] > 2 * 2**20, (
+        f"the RSS measurement missed a 4 MB leak: {controls['control_rss_1k']}"
     )
     assert rate("control_rss_1k", "blocks_per_call") >= LEAK_BLOCKS_PER_CALL, "missed a Python object kept per call"
     leaks = {

@@ -15,7 +15,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import make_block, make_inputs
+from conftest import examples, make_block, make_inputs
 from plusequals import CppBlock, RustBlock
 
 
@@ -41,7 +41,7 @@ def _tensor(kind, seed):
 TINY = make_block(dim=32, heads=4, d_head=8, context_dim=32)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(
     x_kind=st.sampled_from(["tensor", "parameter", "subclass"]),
     c_kind=st.sampled_from(["none", "tensor", "parameter", "subclass"]),

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import randomize_, rel_err
+from conftest import examples, randomize_, rel_err
 from plusequals import CppBlock, RustBlock, RustTransformerBlock, UnsupportedBlockError, swap_transformer_blocks
 from plusequals.audit.cases import TINY_UNET
 
@@ -32,7 +32,7 @@ from diffusers.models.attention_processor import (  # noqa: E402
     CustomDiffusionAttnProcessor2_0,
 )
 
-FAST = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CLASSES = (CustomDiffusionAttnProcessor2_0, CustomDiffusionAttnProcessor)
 DIM, HEADS, CROSS = 32, 4, 24
 
@@ -271,7 +271,7 @@ def run(unet):
         )
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # two UNets an example
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])  # two UNets an example
 @given(st.lists(OPS, min_size=1, max_size=4))
 def test_changes_after_the_swap_are_followed(ops):
     unet, reference = make_unet(), make_unet()

@@ -18,7 +18,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import rel_err
+from conftest import examples, rel_err
 from plusequals import RustTransformerBlock, UnsupportedBlockError, swap_transformer_blocks
 
 pytest.importorskip("peft", reason="needs the optional extra plusequals[diffusers]")
@@ -142,7 +142,7 @@ def expected_refusal(block) -> str:
     return ""
 
 
-@settings(SLOW, max_examples=10)
+@settings(SLOW, max_examples=examples(10))
 @given(st.lists(OPS, min_size=1, max_size=8))
 def test_changes_after_the_read_are_followed_or_refused_never_stale(ops):
     block = lora_block(seed=3, lora_dropout=0.0, use_dora=True)

@@ -18,14 +18,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import randomize_
+from conftest import examples, randomize_
 from plusequals import BasicTransformerBlock, CppBlock, RustBlock, UnsupportedBlockError, _rust
 
 diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
 from diffusers.models.attention import BasicTransformerBlock as DiffusersBlock  # noqa: E402
 from diffusers.models.attention_processor import IPAdapterAttnProcessor2_0  # noqa: E402
 
-FAST = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DIM, HEADS, CROSS = 32, 4, 24
 
 

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import rel_err
+from conftest import examples, rel_err
 from plusequals import RustBlock, RustTransformerBlock, UnsupportedBlockError, swap_transformer_blocks
 
 pytest.importorskip("peft", reason="needs the optional extra plusequals[diffusers]")
@@ -218,7 +218,7 @@ def apply_cast_op(block, op, state):
                 layer.set_scale("a", arg)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(CAST_OPS, min_size=1, max_size=8))
 def test_casting_and_adapter_changes_are_followed_never_stale(ops):
     """Generated sequences of enabling and undoing layerwise casting (storage dtypes drawn) and of

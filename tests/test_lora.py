@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import randomize_, rel_err
+from conftest import examples, randomize_, rel_err
 from plusequals import BasicTransformerBlock, CppBlock, RustBlock, RustTransformerBlock, UnsupportedBlockError
 from plusequals.audit.cases import TINY_UNET
 
@@ -30,7 +30,7 @@ from peft.tuners.lora.layer import LoraLayer  # noqa: E402
 
 DIM, HEADS, D_HEAD, CTX = 32, 4, 8, 24
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj", "net.2"]  # every linear of the block
-SLOW = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 class Holder(nn.Module):

@@ -18,13 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import randomize_, rel_err
+from conftest import examples, randomize_, rel_err
 from plusequals import BasicTransformerBlock, CppBlock, RustBlock, RustTransformerBlock, UnsupportedBlockError
 from plusequals.audit.cases import TINY_UNET
 
 DIM, HEADS, D_HEAD, CTX = 32, 4, 8, 24
 TOL = 1e-5
-SLOW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:

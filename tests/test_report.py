@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import examples
 from plusequals.bench import timing
 from plusequals.bench.results import NUMBER, fmt
 from plusequals.bench.setup import HOST_THREADS
@@ -466,7 +467,7 @@ def test_the_audit_cost_section_says_met_or_missed_as_its_numbers_do():
     def row(name: str, ratio: float) -> UnetRow:
         return UnetRow(name, 60.0 * ratio, 1.0, ratio, ratio - 0.05, ratio + 0.05, ratio - 0.05 <= 1 <= ratio + 0.05)
 
-    @settings(max_examples=40, deadline=None)
+    @settings(max_examples=examples(40), deadline=None)
     @given(st.floats(1.0, 2.0), st.floats(1.0, 2.0), st.floats(1.0, 1.2))
     def check(audited: float, anomaly: float, bare: float) -> None:
         names = ("eager", "anomaly mode", "plusequals.audit", "a TorchDispatchMode that does nothing (forward)")

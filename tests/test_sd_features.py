@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import randomize_, rel_err
+from conftest import examples, randomize_, rel_err
 from plusequals import RustTransformerBlock, UnsupportedBlockError, swap_transformer_blocks
 from plusequals.audit.cases import TINY_UNET
 
@@ -31,7 +31,7 @@ from diffusers.loaders import IPAdapterMixin  # noqa: E402
 from diffusers.models.attention import BasicTransformerBlock  # noqa: E402
 
 CLIP = 16  # the image embedding's width, projected to 4 tokens of cross_attention_dim by ImageProjection
-SLOW = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 class Pipe(IPAdapterMixin):

@@ -292,6 +292,7 @@ class Donation(RuleBasedStateMachine):
             assert x.numel() > 0, "x was emptied and not marked donated"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ["RustBlock", "CppBlock", "raw-rust", "raw-cpp"])
 def test_donation_is_a_transaction(entry):
     machine = type(f"Donation_{entry.replace('-', '_')}", (Donation,), {"entry": entry, "outcomes": []})
