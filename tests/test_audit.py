@@ -345,8 +345,9 @@ def test_E0502_is_silent_for_a_graph_nobody_will_run_and_for_batchnorm_called_tw
 def test_E0502_under_no_grad_is_silent():
     with torch.no_grad():
         report = audit(Saver(torch.exp, "the result"), torch.randn(2, 3))
-    # nothing saved; what remains is the write through `victim[...]` into `y`, read afterwards
-    assert report.codes == ["E0499"] and report.findings[0].read_at == line_in(Saver, "return y.sum()")
+    # nothing saved; the write goes through `victim`, taken from `y`, which is never used again:
+    # `y` read afterwards ends a reborrow, as Rust accepts (`tests/test_audit_alias.py`)
+    assert report.clean, report.findings
 
 
 # ------------------------------------------------------------------------- the project's code

@@ -12,6 +12,7 @@ callee) or after the audit returns is not seen.
 
 from __future__ import annotations
 
+import bisect
 import dis
 import os
 import sys
@@ -22,11 +23,13 @@ import torch
 
 __all__ = [
     "MoveTracer",
+    "call_names",
     "function_holding",
     "holders",
     "is_user",
     "line_names",
     "location",
+    "taken_from",
     "user_frame",
 ]
 
@@ -118,6 +121,81 @@ def line_names(frame: FrameType) -> Set[str]:
                 if line is not None:
                     lines.setdefault(line, set()).update(str(n) for n in names)
     return lines.get(frame.f_lineno, set())
+
+
+_Where = Tuple[int, int, int, int]  # (line, column, end line, end column)
+_Row = Tuple[int, Optional[_Where], str, Tuple[str, ...]]  # offset, where, opname, names
+_ROWS: Dict[CodeType, Tuple[Tuple[int, ...], Tuple[_Row, ...]]] = {}
+_WITHIN: Dict[Tuple[CodeType, int], Set[str]] = {}
+
+
+def _table(code: CodeType) -> Tuple[Tuple[int, ...], Tuple[_Row, ...]]:
+    """``code``'s instructions' offsets, and each as ``(offset, where, opname, names)``."""
+    found = _ROWS.get(code)
+    if found is None:
+        rows = []
+        for ins in dis.get_instructions(code):
+            p = ins.positions
+            where = None
+            if p is not None and p.lineno is not None:
+                where = (p.lineno, p.col_offset or 0, p.end_lineno or p.lineno, p.end_col_offset or 0)
+            names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
+            rows.append((ins.offset, where, ins.opname, tuple(str(n) for n in names)))
+        found = _ROWS[code] = (tuple(r[0] for r in rows), tuple(rows))
+    return found
+
+
+def _inside(inner: Optional[_Where], outer: _Where) -> bool:
+    return inner is not None and outer[:2] <= inner[:2] and inner[2:] <= outer[2:]
+
+
+def _read_within(code: CodeType, index: int) -> Set[str]:
+    """The names read by the instructions up to ``index`` that lie in the source span of the
+    instruction at ``index`` (the expression it evaluates)."""
+    found = _WITHIN.get((code, index))
+    if found is None:
+        found = set()
+        _, rows = _table(code)
+        outer = rows[index][1]
+        if outer is not None:
+            for _, where, opname, names in rows[: index + 1]:
+                if opname in _READS and _inside(where, outer):
+                    found.update(names)
+        _WITHIN[(code, index)] = found
+    return found
+
+
+def call_names(frame: FrameType) -> Set[str]:
+    """The names read by the expression ``frame`` is evaluating now (a call, for a frame that
+    called another: the callee and its arguments, the names it lent)."""
+    offsets, _ = _table(frame.f_code)
+    # the instruction that holds f_lasti (on 3.11 a frame that called another points at the
+    # call's last inline cache entry, past the CALL instruction itself)
+    at = bisect.bisect_right(offsets, frame.f_lasti) - 1
+    return set() if at < 0 else _read_within(frame.f_code, at)
+
+
+_TAKEN: Dict[Tuple[CodeType, str], Set[str]] = {}
+_BETWEEN = ("UNPACK_SEQUENCE", "UNPACK_EX", "COPY", "SWAP", "DUP_TOP", "FOR_ITER", "GET_ITER") + _BINDS + _STORE_PAIRS
+
+
+def taken_from(code: CodeType, name: str) -> Set[str]:
+    """The names that ``name`` is bound from anywhere in ``code`` (``t = ts[i]``, ``for t in
+    ts``, ``for i, t in enumerate(ts)``, ``h = x``): the names its value may be a reborrow of."""
+    found = _TAKEN.get((code, name))
+    if found is None:
+        found = set()
+        _, rows = _table(code)
+        for i, (_, _, opname, names) in enumerate(rows):
+            if (opname in _BINDS or opname in _STORE_PAIRS) and name in names and not opname.startswith("DELETE"):
+                j = i - 1
+                while j >= 0 and rows[j][2] in _BETWEEN:  # the other targets, the loop's iteration
+                    j -= 1
+                if j >= 0:
+                    found |= _read_within(code, j)
+        found.discard(name)
+        _TAKEN[(code, name)] = found
+    return found
 
 
 def holders(frame: FrameType, overlaps: Callable[[Any], bool]) -> Iterator[str]:

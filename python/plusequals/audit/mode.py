@@ -28,7 +28,17 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .frames import MoveTracer, function_holding, holders, is_user, line_names, location, user_frame
+from .frames import (
+    MoveTracer,
+    call_names,
+    function_holding,
+    holders,
+    is_user,
+    line_names,
+    location,
+    taken_from,
+    user_frame,
+)
 from .memory import WRITES, Span, Writes, span, writes, writes_of
 from .modules import Arg, Call, ModuleWatch
 from .report import Finding
@@ -54,6 +64,24 @@ class Alias(NamedTuple):
     where: str
     op: str
     writer: Optional[str]
+
+
+class Reborrow(NamedTuple):
+    """A name that the names written through were taken from (``for t in ts``, ``t = ts[i]``,
+    ``h = x``): reading it after the write is legal (a reborrow ends at its last use), unless one
+    of ``through`` is used after that read (then the uses interleave)."""
+
+    alias: Alias
+    through: Tuple[str, ...]
+
+
+class Interleaved(NamedTuple):
+    """``source`` was read at ``read_at`` after the write through ``alias``; one of the names
+    taken from it is watched: its next read is ``E0499``."""
+
+    alias: Alias
+    source: str
+    read_at: str
 
 
 class Candidate(NamedTuple):
@@ -98,6 +126,14 @@ class Recorder:
 
     def on_read(self, frame: FrameType, name: str, move: Any) -> None:
         read_at = location(frame)
+        if isinstance(move, Interleaved):
+            a = move.alias
+            message = (
+                f"`{move.source}` was read at {move.read_at}, after the write through `{name}` ({a.op} at "
+                f"{a.where}), and `{name}`, taken from it, is used again here: their uses interleave"
+            )
+            self.add(a.seq, Finding("E0499", a.module, a.where, a.op, message, read_at, writer=a.writer))
+            return
         if isinstance(move, Alias):
             message = (
                 f"`{name}` names the tensor that was written through another name ({move.op} at {move.where}) "
@@ -137,7 +173,7 @@ class WriteWatch(TorchDispatchMode):
     def __init__(self, modules: ModuleWatch, saved: SavedTensors, recorder: Recorder) -> None:
         super().__init__()
         self.modules, self.saved, self.recorder = modules, saved, recorder
-        self.tracer = MoveTracer(recorder.on_read)
+        self.tracer = MoveTracer(self._read)
         self.candidates: List[Candidate] = []
         self.ops = 0
         self.phase = "forward"
@@ -207,27 +243,44 @@ class WriteWatch(TorchDispatchMode):
                 self._moved(seq, op, where, s, *owner)
             if aliases:
                 alias = Alias(seq, self.modules.running(sys._getframe()), where, op, self.modules.writer())
-                for frame, name in aliases:
-                    self.tracer.watch(frame, name, alias)
+                for frame, name, through in aliases:
+                    self.tracer.watch(frame, name, Reborrow(alias, through) if through else alias)
             if entries:
                 module = self.modules.running(sys._getframe())
                 self.candidates.append(Candidate(seq, module, where, op, self.phase, entries, self.modules.writer()))
 
-    def _aliases(self, t: Tensor) -> List[Tuple[FrameType, str]]:
+    def _aliases(self, t: Tensor) -> List[Tuple[FrameType, str, Tuple[str, ...]]]:
         """The other names for the tensor object ``t`` (directly or in a tuple, list or dict) in
-        the user frame that writes it and the user frames that called it: not the names on the
-        writing line (the name written through), not views (a view is a reborrow)."""
+        the user frame that writes it and the user frames that called it, each with the names
+        written through that were taken from it (empty: the name was taken before the write,
+        and any later read interleaves). The names a frame writes or lends through are not
+        among them: the writing line's, and in a frame that called the writer, the call's (the
+        names lent to a helper: once its frame returns, its parameter's borrow has ended).
+        Views are not the tensor object (a view is a reborrow)."""
         site = user_frame(sys._getframe(), self.modules.stop)
-        if site is None:
-            return []
-        mine = line_names(site)
-        found: List[Tuple[FrameType, str]] = []
+        found: List[Tuple[FrameType, str, Tuple[str, ...]]] = []
         frame: Optional[FrameType] = site
         while frame is not None and frame is not self.modules.stop:
             if is_user(frame):
-                found += [(frame, n) for n in holders(frame, lambda v: v is t) if frame is not site or n not in mine]
+                lent = call_names(frame) | (line_names(frame) if frame is site else set())
+                held = list(holders(frame, lambda v: v is t))
+                through = tuple(n for n in held if n in lent)
+                for n in held:
+                    if n not in lent:
+                        taken = tuple(w for w in through if n in taken_from(frame.f_code, w))
+                        found.append((frame, n, taken))
             frame = frame.f_back
         return found
+
+    def _read(self, frame: FrameType, name: str, info: Any) -> None:
+        """A watched name is read: a source of the names written through starts watching them
+        (a use of one of them now interleaves); anything else is the recorder's."""
+        if isinstance(info, Reborrow):
+            later = Interleaved(info.alias, name, location(frame))
+            for w in info.through:
+                self.tracer.watch(frame, w, later)
+            return
+        self.recorder.on_read(frame, name, info)
 
     def _moved(self, seq: int, op: str, where: str, s: Span, call: Call, arg: Arg) -> None:
         writer = self.modules.writer()
