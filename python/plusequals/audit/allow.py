@@ -47,7 +47,8 @@ def allows_in(file: str) -> Dict[int, FrozenSet[str]]:
 def source_files(model: Any) -> Set[str]:
     """The files of the model's code (its modules' classes, or the callable), torch's left out."""
     classes = dict.fromkeys(type(m) for m in model.modules()) if isinstance(model, torch.nn.Module) else {}
-    objects = [getattr(cls.forward, "__code__", cls) for cls in classes] or [model]
+    # a ScriptModule's class has no Python forward: the class itself, and its file
+    objects = [getattr(getattr(cls, "forward", None), "__code__", cls) for cls in classes] or [model]
     files: Set[str] = set()
     for obj in objects:
         try:

@@ -14,14 +14,14 @@ from __future__ import annotations
 import io
 import linecache
 import re
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, TextIO, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, TextIO, Tuple
 
 from rich.console import Console
 from rich.text import Text
 
 from .sites import Site, resolve
 
-__all__ = ["RUST_HELP", "TITLES", "Diagnostic", "build", "render", "summary_line"]
+__all__ = ["RUST_HELP", "TITLES", "Diagnostic", "build", "not_audited_text", "render", "summary_line"]
 
 TITLES: Dict[str, str] = {
     "E0596": "a module wrote into a tensor it only borrowed",
@@ -285,8 +285,24 @@ def _print(console: Console, d: Diagnostic) -> None:
     console.print()
 
 
-def summary_line(diagnostics: Sequence[Diagnostic], calls: int) -> Text:
-    """rustc's last line: how many errors (and warnings), in how many audited calls."""
+def _calls(n: int) -> str:
+    return f"{n} call{'s' * (n != 1)}"
+
+
+def not_audited_text(not_audited: Mapping[str, int], detail: bool = True) -> str:
+    """The calls that ran but were not audited, by why (``under a tracer (torch.jit.trace)``):
+    ``1 call under a tracer (torch.jit.trace) not audited``; without ``detail``, summed by what
+    precedes the parenthesis (``1 call under a tracer not audited``). Empty when none."""
+    counts: Dict[str, int] = {}
+    for why, n in not_audited.items():
+        key = why if detail else why.split(" (")[0]
+        counts[key] = counts.get(key, 0) + n
+    return "; ".join(f"{_calls(n)} {why} not audited" for why, n in counts.items() if n)
+
+
+def summary_line(diagnostics: Sequence[Diagnostic], calls: int, not_audited: Mapping[str, int] = {}) -> Text:
+    """rustc's last line: how many errors (and warnings), in how many audited calls; and the
+    calls that ran but were not audited (never silently dropped)."""
     errors = [d for d in diagnostics if d.level == "error"]
     warnings = sum(d.level == "warning" for d in diagnostics)
     raised = any(d.code == "raised" for d in diagnostics)
@@ -298,6 +314,9 @@ def summary_line(diagnostics: Sequence[Diagnostic], calls: int) -> Text:
         text = Text("no errors" + (" before the program raised" if raised else "") + where, "bold green")
     if warnings:
         text.append(f"; {warnings} warning{'s' * (warnings > 1)} emitted")
+    skipped = not_audited_text(not_audited, detail=False)
+    if skipped:
+        text.append("; " + skipped, "bold yellow")
     return text
 
 
@@ -314,9 +333,11 @@ def render(
     moves: bool = False,
     file: Optional[TextIO] = None,
     color: Optional[bool] = None,
+    not_audited: Mapping[str, int] = {},
 ) -> str:
     """Prints the diagnostics of ``calls`` and the summary line to ``file`` (rich: colour only
-    on a terminal, unless ``color`` says); with no ``file``, returns the text (80 columns)."""
+    on a terminal, unless ``color`` says); with no ``file``, returns the text (80 columns).
+    ``not_audited``: the calls that ran unaudited, by why (the summary line names them)."""
     buffer = io.StringIO() if file is None else None
     console = Console(
         file=buffer or file,
@@ -329,5 +350,7 @@ def render(
     diagnostics = build(calls, unused, moves)
     for d in diagnostics:
         _print(console, d)
-    console.print(summary_line(diagnostics, sum(1 for root, _ in calls if root is not None)))
+    for why, n in not_audited.items():
+        console.print(Text("note", "bold green") + Text(f": {not_audited_text({why: n})}"))
+    console.print(summary_line(diagnostics, sum(1 for root, _ in calls if root is not None), not_audited))
     return buffer.getvalue() if buffer is not None else ""

@@ -30,7 +30,22 @@ class Span(NamedTuple):
 
 def span(t: Tensor) -> Optional[Span]:
     """``t``'s memory; None for a tensor with no elements or no storage (a functorch wrapper,
-    a sparse tensor, a wrapper subclass)."""
+    a sparse tensor, a wrapper subclass). Never seen by ``torch.jit.trace``: see :func:`_span`."""
+    state = torch._C._get_tracing_state()
+    if state is None:
+        return _span(t)
+    # Under the JIT tracer, numel() and its kin are recorded into the user's graph, and for a
+    # tensor the trace has not seen that requires grad (a saved tensor autograd unpacked anew)
+    # the tracer raises and leaves its thread state cleared: the trace's end then dereferences
+    # it (SIGSEGV). The audit reads metadata; the trace is the user's.
+    torch._C._set_tracing_state(None)
+    try:
+        return _span(t)
+    finally:
+        torch._C._set_tracing_state(state)
+
+
+def _span(t: Tensor) -> Optional[Span]:
     try:
         numel = t.numel()
         if numel == 0:

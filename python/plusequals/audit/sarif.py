@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import urllib.parse
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from .diagnostics import RUST_HELP, TITLES, Diagnostic, build
+from .diagnostics import RUST_HELP, TITLES, Diagnostic, build, not_audited_text
 from .report import CODES
 from .sites import relative
 
@@ -153,7 +153,10 @@ def _result(d: Diagnostic, index: Dict[str, int]) -> Dict[str, Any]:
 
 
 def to_sarif(
-    calls: Sequence[Tuple[str, Any]], unused: Iterable[Tuple[str, str]] = (), **invocation: Any
+    calls: Sequence[Tuple[str, Any]],
+    unused: Iterable[Tuple[str, str]] = (),
+    not_audited: Mapping[str, int] = {},
+    **invocation: Any,
 ) -> Dict[str, Any]:
     """A SARIF 2.1.0 log: one run, the rules E0596/E0382/E0502/E0499 (and unused allows), a result for
     each finding and warning; locations are relative to the working directory (``SRCROOT``)."""
@@ -165,6 +168,10 @@ def to_sarif(
         "originalUriBaseIds": {"SRCROOT": {"uri": "file://" + urllib.parse.quote(os.getcwd().rstrip("/") + "/")}},
         "results": results,
     }
+    skipped = not_audited_text(not_audited)
+    if skipped:  # the calls that ran unaudited: a note on the run, never silently dropped
+        note = {"level": "note", "message": {"text": skipped}, "descriptor": {"id": "not-audited"}}
+        invocation = {**invocation, "toolExecutionNotifications": [note]}
     if invocation:
         run["invocations"] = [{"executionSuccessful": True, **invocation}]
     return {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]}

@@ -17,7 +17,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,7 @@ from .modules import Arg, ModuleWatch, arguments
 from .report import AuditReport, Finding
 from .saved import SavedTensors, reachable
 
-__all__ = ["AuditScope", "AuditedCall", "CallAudit", "backward_from", "describe", "roots"]
+__all__ = ["AuditScope", "AuditedCall", "CallAudit", "backward_from", "describe", "roots", "tracer"]
 
 
 def describe(e: BaseException) -> str:
@@ -82,7 +82,7 @@ class CallAudit:
 
     def __init__(self, model: Any, args: tuple, kwargs: dict, stop: FrameType) -> None:
         self.modules = ModuleWatch(stop=stop)
-        if isinstance(model, nn.Module):
+        if isinstance(model, nn.Module) and not isinstance(model, torch.jit.ScriptModule):
             self.modules.attach(model)
         else:
             self.modules.push_root(model, args, kwargs)
@@ -180,10 +180,35 @@ _ORIGINAL_CALL: Callable[..., Any] = nn.Module.__call__
 _ACTIVE: List["AuditScope"] = []  # the open scope (one at a time)
 
 
+def tracer(module: Any) -> Optional[str]:
+    """The tracer or compiler running now, or that would run ``module``'s call, by name; None when
+    the call runs eagerly. The audit steps aside for it: its span reads and hooks would be
+    recorded into (or break) the user's graph, and a compiled call runs no aten op one by one."""
+    if torch._C._get_tracing_state() is not None:
+        return "torch.jit.trace"
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    if dynamo is not None and isinstance(module, dynamo.OptimizedModule):
+        return "torch.compile"
+    fx = sys.modules.get("torch.fx._symbolic_trace")
+    if fx is not None and fx._is_fx_tracing_flag:  # fx.symbolic_trace, torch.export's tracing
+        return "torch.fx"
+    if sys.modules.get("torch._subclasses.fake_tensor") is not None:
+        from torch._guards import detect_fake_mode
+
+        if detect_fake_mode() is not None:
+            return "FakeTensorMode"
+    return None
+
+
 def _audited_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if torch.compiler.is_compiling():  # Dynamo (torch.compile, torch.export) traces this call: not ours
+        return _ORIGINAL_CALL(module, *args, **kwargs)
     scope = _ACTIVE[-1] if _ACTIVE else None
     if scope is None or scope.busy or threading.get_ident() != scope.thread:
         return _ORIGINAL_CALL(module, *args, **kwargs)
+    by = tracer(module)
+    if by is not None:
+        return scope.aside(f"under a tracer ({by})", module, args, kwargs)
     return scope.call(module, args, kwargs)
 
 
@@ -212,6 +237,8 @@ class AuditScope:
         self.busy = False
         self.unused_allows: List[Tuple[str, str]] = []
         self.reads = CallerReads()
+        # the outermost calls run but not audited, by why (``under a tracer (torch.jit.trace)``)
+        self.not_audited: Dict[str, int] = {}
 
     def __enter__(self) -> "AuditScope":
         if _ACTIVE:
@@ -224,6 +251,16 @@ class AuditScope:
         self.reads.stop()
         nn.Module.__call__ = _ORIGINAL_CALL  # type: ignore[method-assign]
         _ACTIVE.remove(self)
+
+    def aside(self, why: str, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Runs an outermost call as it would run without the audit (nothing watches it, nor the
+        calls it makes), counted in ``not_audited`` under ``why``."""
+        self.not_audited[why] = self.not_audited.get(why, 0) + 1
+        self.busy = True
+        try:
+            return _ORIGINAL_CALL(module, *args, **kwargs)
+        finally:
+            self.busy = False
 
     def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         self.busy = True

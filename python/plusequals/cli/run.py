@@ -18,7 +18,7 @@ import runpy
 import sys
 import traceback
 from types import TracebackType
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..audit.diagnostics import build, render
 from ..audit.sarif import to_json, to_sarif
@@ -111,16 +111,22 @@ def program_files(program: List[str]) -> List[str]:
 
 
 def write(
-    options: argparse.Namespace, calls: List[Tuple[str, Any]], unused: List[Tuple[str, str]], status: int
+    options: argparse.Namespace,
+    calls: List[Tuple[str, Any]],
+    unused: List[Tuple[str, str]],
+    status: int,
+    not_audited: Dict[str, int],
 ) -> None:
     out = open(options.output, "w") if options.output else sys.stderr
     try:
         if options.format == "text":
-            render(calls, unused, options.moves, file=out, color=None if not options.output else False)
+            color = None if not options.output else False
+            render(calls, unused, options.moves, file=out, color=color, not_audited=not_audited)
         elif options.format == "json":
-            out.write(json.dumps(to_json(calls, unused, options.moves, exit_status=status), indent=1) + "\n")
+            found = to_json(calls, unused, options.moves, exit_status=status, not_audited=not_audited)
+            out.write(json.dumps(found, indent=1) + "\n")
         else:
-            out.write(json.dumps(to_sarif(calls, unused, exitCode=status), indent=1) + "\n")
+            out.write(json.dumps(to_sarif(calls, unused, not_audited, exitCode=status), indent=1) + "\n")
     finally:
         if options.output:
             out.close()
@@ -138,6 +144,6 @@ def main(argv: Sequence[str]) -> int:
     status = run_program(scope, program)
     unused = scope.finish(program_files(program))
     calls = [(c.module, c.report) for c in scope.calls]
-    write(options, calls, unused, status)
+    write(options, calls, unused, status, scope.not_audited)
     errors = any(d.level == "error" for d in build(calls, unused))
     return status if status != 0 else (1 if errors else 0)
