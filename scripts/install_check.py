@@ -8,6 +8,8 @@
    plusequals.audit and through `python -m plusequals audit run`: E0596 and E0502, both at the
    script's line that writes into the tensor it was given.
 3. RustBlock against the PyTorch block, fp32 on the CPU, relative error <= 1e-5.
+4. The README's quick start, as pasted, after the install the README names (the `diffusers`
+   extra): it runs and prints the README's output.
 
 Usage: python install_check.py   (exit status 0 when every check holds; each prints one line)
 """
@@ -115,11 +117,32 @@ def check_parity() -> None:
     print(f"parity: RustBlock vs BasicTransformerBlock, relative error {err:.1e} <= {TOL}")
 
 
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def between(text: str, name: str) -> str:
+    """The fenced block between ``<!-- name -->`` and ``<!-- /name -->``."""
+    block = text.split(f"<!-- {name} -->", 1)[1].split(f"<!-- /{name} -->", 1)[0]
+    return block.split("```", 2)[1].split("\n", 1)[1]
+
+
+def check_quick_start(workdir: pathlib.Path) -> None:
+    """The README's quick start, pasted into a file of the user's and run with this venv's Python."""
+    text = README.read_text()
+    script = workdir / "quick_start.py"
+    script.write_text(between(text, "quick-start"))
+    run = subprocess.run([sys.executable, script.name], cwd=workdir, text=True, capture_output=True)
+    assert run.returncode == 0, f"the quick start failed (exit {run.returncode}):\n{run.stdout}{run.stderr[-3000:]}"
+    assert run.stdout == between(text, "quick-start-output"), f"printed:\n{run.stdout}"
+    print(f"quick start: runs as pasted, prints the README's {len(run.stdout.splitlines())} lines")
+
+
 def main() -> None:
     check_installed()
     check_audit(pathlib.Path.cwd())
     check_audit_run(pathlib.Path.cwd())
     check_parity()
+    check_quick_start(pathlib.Path.cwd())
 
 
 if __name__ == "__main__":

@@ -58,13 +58,17 @@ if PATH=$no_rust command -v cargo >/dev/null; then
   echo "test-install: cargo is still on PATH without the Rust folders" >&2
   exit 1
 fi
-step "install: pip install dist/$(basename "${wheels[0]}") (no cargo on PATH)" "$log" \
-  env PATH="$no_rust" pip install "${wheels[0]}"
+# With the diffusers extra, as the README's install line says: its quick start imports diffusers.
+# uv installs the wheel (from its cache: seconds; a wheel installs alike by pip or uv), pip the
+# source below, where pip's isolated build is what a user meets.
+if command -v uv >/dev/null; then wheel_pip=(uv pip install); else wheel_pip=(pip install); fi
+step "install: ${wheel_pip[*]} dist/$(basename "${wheels[0]}")[diffusers] (no cargo on PATH)" "$log" \
+  env PATH="$no_rust" "${wheel_pip[@]}" "${wheels[0]}[diffusers]"
 check "$no_rust"
 
 step "install: pip uninstall plusequals" "$log" pip uninstall -y plusequals
 target=${CARGO_TARGET_DIR:-$repo/target}
 [ "${COLD:-0}" = 1 ] && target=$work/target
-step "install: pip install <repo> (from source, isolated build, cargo in $target)" "$log" \
-  env CARGO_TARGET_DIR="$target" pip install "$repo"
+step "install: pip install <repo>[diffusers] (from source, isolated build, cargo in $target)" "$log" \
+  env CARGO_TARGET_DIR="$target" pip install "$repo[diffusers]"
 check "$PATH"
