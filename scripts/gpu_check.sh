@@ -37,7 +37,7 @@ run)
   export PYTHONPATH=$SITE PYTHONUNBUFFERED=1
   python3 -c "import torch, plusequals; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
   # the CUDA tests (parity in fp16, gradients, memory returning to baseline)
-  python3 -m pytest -q -p no:cacheprovider -k cuda tests 2>&1 | tee "$OUT/pytest-cuda.log"
+  python3 -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tee "$OUT/pytest-cuda.log"
   # the Python bugs and the runtime mirrors (rustc is not there: compile-fail cases are skipped)
   python3 -m plusequals demo --skip-compile-fail > "$OUT/demo.log" 2>&1 || echo "demo failed" | tee -a "$OUT/demo.log"
   # the report's terminal summary in report.log (its tail is the verdicts), and as JSON

@@ -45,14 +45,17 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """The tests that read the quick report run on one xdist worker (--dist loadgroup): a session
-    fixture is made once per worker, and the report is the suite's longest fixture."""
+    fixture is made once per worker, and the report is the suite's longest fixture. The cuda
+    tests are skipped without a device."""
     for item in items:
         if {"quick_report", "quick_report_run"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("quick_report"))
+        if not CUDA and item.get_closest_marker("cuda"):
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
 CUDA = torch.cuda.is_available()
-cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+cuda = pytest.mark.cuda  # skipped without a device (below); scripts/gpu_check.sh runs `-m cuda`
 
 
 def make_block(dim=80, heads=8, d_head=10, context_dim=CONTEXT[1], seed=0, **kw) -> BasicTransformerBlock:
