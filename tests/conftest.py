@@ -94,7 +94,6 @@ def quick_report_run(tmp_path_factory):
         [sys.executable, "-m", "plusequals", "report", "--quick", "--device", "cpu", "--out", str(out), "--json"],
         capture_output=True,
         text=True,
-        timeout=1800,  # a hang, not a slow machine: the report takes minutes beside cargo (make test)
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return SimpleNamespace(out=out, stdout=proc.stdout, stderr=proc.stderr)

@@ -175,7 +175,6 @@ def test_mypy_accepts_the_readmes_call(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
     )
     # exactly one error: the deliberate one (an AuditReport is no int), so the call was typed
     assert proc.stdout.count("error:") == 1, proc.stdout

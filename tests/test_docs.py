@@ -76,7 +76,7 @@ def test_the_quick_start_runs_as_written(tmp_path):
     script.write_text(code)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = [sys.executable, str(script)]
-    proc = subprocess.run(run, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    proc = subprocess.run(run, capture_output=True, text=True, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     said = _fenced(_between(README.read_text(), "quick-start-output"))
     assert proc.stdout.strip().splitlines() == said.strip().splitlines()

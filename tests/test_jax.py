@@ -343,7 +343,5 @@ for build in (compilers.jax_variants, compilers.onnxruntime_variants):
         raise AssertionError('no ImportError')
 print('ok')
 """
-    r = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=120
-    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

@@ -415,8 +415,7 @@ def test_results_are_written_as_they_come(tmp_path):
     )
     path = tmp_path / "results.json"
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
+        while proc.poll() is None:  # until it has measured three rows (pytest-timeout bounds a hang)
             if path.exists():
                 try:
                     rows = json.loads(path.read_text()).get("results", [])

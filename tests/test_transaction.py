@@ -43,6 +43,11 @@ pytestmark = [
 ]
 
 
+# A race runs until both of its outcomes were seen, at most this many attempts: a count, not a
+# wall-clock limit, so that a busy machine only makes it slower.
+RACE_ATTEMPTS = 50_000
+
+
 class Entry:
     """One in-place entry point on a small block, and the PyTorch block it must equal."""
 
@@ -288,8 +293,9 @@ class SeeTorchCalls(TorchFunctionMode):
 
 @pytest.mark.parametrize("name", ["RustBlock", "CppBlock"])
 def test_under_a_function_mode_the_block_is_one_op_and_donation_is_refused(name):
-    """A TorchFunctionMode sees torch calls, never Rust's: RustBlock calls the custom op, which the
-    mode sees (and the result is exact), and refuses a donation, which the mode would not see.
+    """A TorchFunctionMode sees torch calls, never Rust's: RustBlock runs the PyTorch block it
+    follows, whose calls the mode sees (and the result is exact), and refuses a donation, which the
+    mode would not see.
     ``torch.device(...)`` as a context manager is a function mode too, and changes nothing here."""
     entry = Entry(name)
     x, c = small_inputs()
@@ -302,7 +308,7 @@ def test_under_a_function_mode_the_block_is_one_op_and_donation_is_refused(name)
             entry.owned(x, c)
         assert (info.value.why, info.value.modes) == ("function_modes", ["SeeTorchCalls"])
         assert "TorchFunctionMode is active (SeeTorchCalls)" in str(info.value)
-    assert "block_forward" in " ".join(mode.calls), mode.calls
+    assert {"linear", "layer_norm"} <= set(mode.calls) and "block_forward" not in " ".join(mode.calls), mode.calls
     assert_intact(x, before, entry, c)
     with torch.device("cpu"):
         assert_matches(entry.owned(x, c), expected)
@@ -473,11 +479,10 @@ def test_a_weight_written_by_another_thread_during_a_donation_is_never_lost():
     thread = threading.Thread(target=writer)
     thread.start()
     outcomes = collections.Counter()
-    deadline = time.monotonic() + 120
     try:
-        while (
-            sum(outcomes.values()) < 200 or min(outcomes["exact"], outcomes["consumed"]) == 0
-        ) and time.monotonic() < deadline:
+        while (sum(outcomes.values()) < 200 or min(outcomes["exact"], outcomes["consumed"]) == 0) and sum(
+            outcomes.values()
+        ) < RACE_ATTEMPTS:
             x = x0.clone()
             try:
                 y = entry.owned(x, c)
