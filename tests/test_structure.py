@@ -268,17 +268,23 @@ def test_an_unknown_classs_state_changed_is_probed_again(name):
 
 
 def test_an_unknown_class_built_where_the_probe_cannot_run_is_probed_once_it_can():
-    """Built in bf16 (no probe at that precision), an unknown SiLU gate runs unprobed, as
-    trust='probe' says; ``.float()`` rebuilds the Rust block and the probe runs: refused."""
-    block = unknown_block(torch.bfloat16)
+    """Built on the meta device (no values to probe), an unknown SiLU gate runs unprobed, as
+    trust='probe' says; given values on the CPU, the Rust block is rebuilt and the probe runs:
+    refused. In bf16 the probe runs at once, in bf16."""
+    block = unknown_block().to("meta")
     block.ff.net[0].activation = "silu"
     rust = RustBlock.from_torch(block, trust="probe")
     x, c = make_inputs(16)
-    rust(x.bfloat16(), c.bfloat16())  # unprobed: documented
-    block.float()
+    assert rust(x.to("meta"), c.to("meta")).shape == x.shape  # unprobed: documented
+    block.to_empty(device="cpu")
+    block.load_state_dict(unknown_block().state_dict())
     assert rel_err(block(x, c), unknown_block()(x, c)) > TOL  # silu: not the CompVis block
     with pytest.raises(UnsupportedBlockError, match="its output differs from the Rust block's"):
         rust(x, c)
+    half = unknown_block(torch.bfloat16)
+    half.ff.net[0].activation = "silu"
+    with pytest.raises(UnsupportedBlockError, match=r"differs from the Rust block's .* in torch.bfloat16 on cpu"):
+        RustBlock.from_torch(half, trust="probe")
 
 
 # ----------------------------------------------------------------------------------------- from_state_dict

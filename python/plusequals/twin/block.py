@@ -25,6 +25,7 @@ from .config import BlockConfig
 from .dispatch import autocast_dtype, converts_results, seen_by_python, symbolic, why_not_donatable
 from .faithful import CHILDREN, Reading, can_probe, probe, read_block
 from .hooks import run_under_saved_tensor_hooks
+from .reads import code_changes
 from .traceable import untraceable
 
 # torch.compile and torch.export trace through this name too (Dynamo knows the function, not the
@@ -117,9 +118,9 @@ class RustBlock(nn.Module):
         block's on a probe input, and probes it again whenever its dtype, device or the instance
         state of those classes changes (every value on the instance, by identity). What that gives
         up: a change the watch cannot see (a value mutated inside a list or dict the forward
-        reads, a class attribute, a global) is not followed; and on the meta device or in a dtype
-        other than fp32/fp64 the probe cannot run, so the block runs as last probed (or, built
-        there, unprobed until it moves to one where the probe can run)."""
+        reads, a class attribute, a global) is not followed; and on the meta device the probe
+        cannot run (it runs in the block's dtype, on its device), so the block runs as last probed
+        (or, built there, unprobed until it moves to a device where the probe can run)."""
         if isinstance(block, RustBlock):
             raise TypeError(f"block is a {type(block).__name__} already: pass the PyTorch block it was made from")
         reading = read_block(block, trust=trust)
@@ -219,7 +220,7 @@ class RustBlock(nn.Module):
             return
         self._reading = reading
         self._weights = tuple(reading.weights())
-        self._code_changes = _code_changes(self._code_ok, reading)
+        self._code_changes = code_changes(self._code_ok, reading.watch.code)
         self._probe_pending = bool(reading.unknown) or self._code_ok is None or bool(self._code_changes)
 
     def _ensure_current(self, error: type = UnsupportedBlockError) -> None:
@@ -243,7 +244,7 @@ class RustBlock(nn.Module):
         """Runs the PyTorch block and the Rust block on one probe input (:func:`probe`) where it
         can: on the first reading, after the code the forward runs changed (a class patched, a
         module global replaced: ``Watch.code``), and for classes this crate does not know. Where
-        the probe cannot run (meta, half), changed code is refused; the rest waits for a state
+        the probe cannot run (meta), changed code is refused; the rest waits for a state
         where it can."""
         reading, changes = self._reading, self._code_changes
         shown = f"{', '.join(changes[:4])}{f' and {len(changes) - 4} more' if len(changes) > 4 else ''}"
@@ -571,15 +572,6 @@ _NO_CASTING = (
     "diffusers' layerwise casting (enable_layerwise_casting) is on, and RustBlock.from_torch does not cast the "
     "stored weights around each call; swap the block (swap_transformer_blocks, RustTransformerBlock), which does"
 )
-_MISSING = object()
-
-
-def _code_changes(ok: Optional[Dict[str, Any]], reading: Reading) -> List[str]:
-    """The labels of the code reads that differ from ``ok`` (``Watch.code``), sorted."""
-    if ok is None:
-        return []
-    now = {n.label: n.value for n in reading.watch.code}
-    return sorted(k for k in ok.keys() | now.keys() if ok.get(k, _MISSING) is not now.get(k, _MISSING))
 
 
 def _split(path: str) -> Tuple[str, str, str]:

@@ -27,8 +27,8 @@ excepted). A block whose classes this module does not know (an independent CompV
 implementation) is refused too, unless the caller passes ``trust="probe"``: then it is accepted
 when its layout and leaves pass these checks *and* its output agrees with the Rust block's on a
 probe input (:func:`probe`), and it is probed again whenever its dtype, device or instance state
-changes. On the meta device, or in a dtype other than fp32/fp64, the probe cannot run, and waits
-for a state where it can.
+changes. The probe runs in the block's dtype and on its device; on the meta device it cannot run,
+and waits for a device where it can.
 
 The :class:`Watch` is how a block made from a module stays current (``RustBlock._ensure_current``):
 each call compares the values the reading looked at (submodules, parameters and unknown classes'

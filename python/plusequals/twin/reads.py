@@ -19,15 +19,29 @@ from __future__ import annotations
 
 import gc
 import types
-from typing import Any, Iterable, Iterator, List, NamedTuple, Set
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Set
 
-__all__ = ["Note", "class_dict", "classes_of", "code_reads", "data_descriptor"]
+__all__ = ["INERT", "Note", "class_dict", "classes_of", "code_changes", "code_reads", "data_descriptor"]
 
 _IMMUTABLE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a static or immutable type, which no one can patch
 #: How far from the forward the code is followed, and how many functions at most (a bound on the
 #: reading's cost; the functions nearest the forward come first).
 DEPTH = 3
 MAX_FUNCTIONS = 400
+#: A class's entries that no forward runs or reads: its docstring, and ``abc``'s bookkeeping
+#: (``_abc_impl``, whose registry and caches only ``isinstance``/``issubclass`` consult, and the
+#: abstract methods, which only instantiation checks), which ``abc`` may set again at any time.
+INERT = frozenset(
+    {
+        "__doc__",
+        "__abstractmethods__",
+        "_abc_impl",
+        "_abc_registry",
+        "_abc_cache",
+        "_abc_negative_cache",
+        "_abc_negative_cache_version",
+    }
+)
 
 
 class Note(NamedTuple):
@@ -94,7 +108,12 @@ def code_reads(objs: Iterable[Any], entries: Iterable[str] = ("forward", "__call
     :data:`DEPTH` calls deep."""
     objs = list(objs)
     classes = classes_of(objs)
-    notes = [Note(class_dict(c), k, v, f"{_class_label(c)}.{k}") for c in classes for k, v in class_dict(c).items()]
+    notes = [
+        Note(class_dict(c), k, v, f"{_class_label(c)}.{k}")
+        for c in classes
+        for k, v in class_dict(c).items()
+        if k not in INERT
+    ]
     methods = [class_dict(c) for c in classes]
     queue = [(f, 0) for c in {type(o) for o in objs} for f in map(lambda e: _lookup(c, e), entries) if f]
     roots = {"torch"} | {_root(c.__module__) for c in classes}
@@ -153,3 +172,15 @@ def data_descriptor(cls: type, name: str) -> bool:
     reads before the instance dict and a module's ``__getattr__`` (a property named ``weight``)."""
     found = _lookup(cls, name)
     return found is not None and hasattr(type(found), "__set__")
+
+
+def code_changes(ok: Optional[Dict[str, Any]], notes: List[Note]) -> List[str]:
+    """The labels of ``notes`` whose values differ from ``ok`` (label -> value, when last checked):
+    those changed first, then those gone and those new (a class that joined the forward: a peft
+    layer), each sorted. None for ``ok``: nothing was checked yet, nothing changed."""
+    if ok is None:
+        return []
+    now = {n.label: n.value for n in notes}
+    changed = sorted(k for k in ok.keys() & now.keys() if ok[k] is not now[k])
+    gone = sorted(f"{k} (gone)" for k in ok.keys() - now.keys())
+    return changed + gone + sorted(f"{k} (new)" for k in now.keys() - ok.keys())
