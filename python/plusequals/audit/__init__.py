@@ -27,7 +27,7 @@ plusequals audit run``, the pytest plugin :mod:`.plugin`); :mod:`.diagnostics` p
 rustc does, :mod:`.sarif` as JSON and SARIF; ``# plusequals: allow(E0596)`` on the writing line
 silences a code there (:mod:`.allow`).
 
-It watches with forward hooks on each module (:mod:`.modules`), a TorchDispatchMode for the
+It watches with torch's global module hooks (:mod:`.modules`), a TorchDispatchMode for the
 writes and, from the ops' outputs, what autograd saves (:mod:`.mode`, :mod:`.saved`; in
 backward only the Python code that backward runs is dispatched to it) and, while a moved value
 has a name not read yet, an opcode tracer on the frames that hold it (:mod:`.frames`). It

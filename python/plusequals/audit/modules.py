@@ -1,9 +1,12 @@
 """The module boundary: which module calls are running, what each was given, and who called it.
 
-Every module of the audited model gets a forward pre-hook (pushes a :class:`Call`) and an
-always-called forward hook (pops it). A Rust or C++ twin (``plusequals.twin``) is watched as one
-module, the audited model itself included: it computes its children's work in Rust, and a hook
-on a child would make it read the block again.
+Two of torch's global module hooks, a forward pre-hook (pushes a :class:`Call`) and an
+always-called forward hook (pops it), watch the calls of the audited model's modules (by id, in
+the audited thread); no module gets a hook of its own, so a module that checks its hooks (the
+fused fast path of ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention``) runs as it would
+unaudited. A Rust or C++ twin (``plusequals.twin``) is watched as one module, the audited model
+itself included: it computes its children's work in Rust. A ``ScriptModule`` is one call too: its
+insides are TorchScript, which calls its submodules without Python.
 
 What outlives a call in someone else's hands (:meth:`ModuleWatch.kept`): the parameters, buffers
 and tensor attributes of the watched modules, and the arguments of the audited call itself. The
@@ -20,6 +23,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _module
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from .frames import is_user
 from .memory import Span, span, tensors
@@ -27,6 +32,7 @@ from .memory import Span, span, tensors
 __all__ = ["Arg", "Call", "ModuleWatch"]
 
 _OPAQUE_PREFIX = "plusequals.twin."
+_MODULE_PY = _module.__file__.removesuffix("c")  # torch/nn/modules/module.py
 
 
 class Arg(NamedTuple):
@@ -85,6 +91,10 @@ def arguments(module: Any, args: tuple, kwargs: dict, cache: Dict[Any, Tuple[str
 class ModuleWatch:
     """The running module calls of the audited thread, innermost last."""
 
+    # its global hooks change no argument or result, and see a twin as one module: the twin's
+    # check of torch's global hooks (twin/watch.py) accepts them
+    observes_only = True
+
     def __init__(self, stop: FrameType) -> None:
         self.stack: List[Call] = []
         self.calls = 0
@@ -102,6 +112,10 @@ class ModuleWatch:
         self.boundary: Callable[[], None] = lambda: None
 
     def attach(self, model: nn.Module) -> None:
+        """Watches ``model``'s modules through torch's *global* module hooks, filtered to them (by
+        id) and to this thread: each module's own hook dicts stay empty, so what checks them
+        (``nn.TransformerEncoderLayer``'s and ``MultiheadAttention``'s fused fast path) runs as
+        without the audit, and a ``ScriptModule`` (which refuses hooks of its own) is one call."""
         self._root = id(model)
         opaque: List[str] = []
         for name, m in model.named_modules():
@@ -111,9 +125,9 @@ class ModuleWatch:
                 opaque.append(name)
             self._names[id(m)] = name
             self._keep_module(name, m)
-            self._handles.append(m.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True))
-            self._handles.append(m.register_forward_hook(self._leave, with_kwargs=True, always_call=True))
         self.watched = len(self._names)
+        self._handles.append(register_module_forward_pre_hook(self._enter))
+        self._handles.append(register_module_forward_hook(self._leave, with_kwargs=True, always_call=True))
 
     def detach(self) -> None:
         for h in self._handles:
@@ -161,21 +175,24 @@ class ModuleWatch:
         self._keep_given(given)
         self.stack.append(Call("", getattr(fn, "__qualname__", type(fn).__name__), given, None, 0))
 
-    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if threading.get_ident() != self._thread:
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        if id(module) not in self._names or threading.get_ident() != self._thread:
             return None
         self.boundary()
         self.calls += 1
         caller = sys._getframe(1)  # torch's; the user frame above it is looked for only on a write
-        name = self._names.get(id(module), type(module).__name__)
-        given = arguments(module, args, kwargs, self._params)
+        # a global pre-hook is given no keyword arguments: they are the calling frame's (torch's
+        # Module._call_impl), else none are seen
+        kwargs = caller.f_locals.get("kwargs") if caller.f_code.co_filename.startswith(_MODULE_PY) else None
+        given = arguments(module, args, kwargs if isinstance(kwargs, dict) else {}, self._params)
         if id(module) == self._root and not self.stack:
             self._keep_given(given)
-        self.stack.append(Call(name, type(module).__qualname__, given, caller, id(module), module))
+        self.stack.append(Call(self._names[id(module)], type(module).__qualname__, given, caller, id(module), module))
         return None
 
-    def _leave(self, module: nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
-        if threading.get_ident() != self._thread:
+    def _leave(self, module: nn.Module, args: tuple, *rest: Any) -> None:
+        # (module, args, kwargs, result); torch gives (module, args, result) when forward raised
+        if id(module) not in self._names or threading.get_ident() != self._thread:
             return None
         self.boundary()
         for i in range(len(self.stack) - 1, -1, -1):

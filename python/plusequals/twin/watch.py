@@ -59,12 +59,18 @@ def _observer_types() -> tuple:
 
 
 def global_hook_kinds() -> List[str]:
-    """The kinds of global module hooks registered now, other than observers'."""
+    """The kinds of global module hooks registered now, other than observers' (the trackers', and
+    those of an object that says it only observes: ``plusequals.audit``'s module watch, which
+    sees a twin as one module)."""
     observers = _observer_types()
+
+    def observer(owner: Any) -> bool:
+        return isinstance(owner, observers) or getattr(owner, "observes_only", False) is True
+
     return [
         kind
         for kind, hooks in _global_hooks().items()
-        if any(not isinstance(getattr(h, "__self__", None), observers) for h in hooks.values())
+        if any(not observer(getattr(h, "__self__", None)) for h in hooks.values())
     ]
 
 
