@@ -200,6 +200,13 @@ def tracer(module: Any) -> Optional[str]:
     return None
 
 
+def _class_name(module: nn.Module) -> str:
+    """The module's class as its code names it (a ScriptModule's: the scripted class's)."""
+    if isinstance(module, torch.jit.ScriptModule):
+        return str(getattr(module, "original_name", type(module).__qualname__))
+    return type(module).__qualname__
+
+
 def _audited_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if torch.compiler.is_compiling():  # Dynamo (torch.compile, torch.export) traces this call: not ours
         return _ORIGINAL_CALL(module, *args, **kwargs)
@@ -283,7 +290,7 @@ class AuditScope:
         finally:
             self.busy = False
             self.allows.watch(unit.files)
-            self.calls.append(AuditedCall(type(module).__qualname__, caller, unit.report))
+            self.calls.append(AuditedCall(_class_name(module), caller, unit.report))
         self.reads.watch(frame, unit.report, [s for s, t, v in versions if _version(t) != v])
         return out
 

@@ -64,6 +64,10 @@ def write_site(frame: FrameType, modules: Any) -> str:
     if found is None:
         stack = getattr(modules, "stack", [])
         found = _module_frame(frame, stop, stack[-1].ident if stack else None)
+        if stop is not None and (found is None or found.f_code.co_name != "forward"):
+            # no Python forward runs (a ScriptModule's TorchScript): the user's line that called
+            # it, the boundary where its arguments were checked
+            found = frames.user_frame(stop.f_back) or found
     where = frames.location(found)
     span = _positions(found) if found is not None else None
     if span is not None:
