@@ -5,18 +5,26 @@
   ``test_lora_fuse_nan``), runs in the block's own dtype and device (bf16 on the CPU:
   ``test_lora_layerwise_casting_inference``), and a class entry no forward reads (``__doc__``,
   ``abc``'s bookkeeping) is no change of the code.
+* A user's TorchFunctionMode sees the PyTorch block's torch calls (``F.linear``, ``layer_norm``) and
+  may change them; the twin is one call it cannot change. Under one, the PyTorch block's forward
+  runs in place of the twin (``twin/delegate.py``), or, with no PyTorch block to run, the call is
+  refused naming the mode; once the mode exits, the twin runs again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
-from plusequals import RustBlock, swap_transformer_blocks
+from conftest import make_block, make_inputs
+from plusequals import CppBlock, OwnershipError, RustBlock, UnsupportedBlockError, swap_transformer_blocks
 from plusequals.twin import block as block_module
 from plusequals.twin.probe import bound, differs
 from plusequals.twin.reads import INERT, code_reads
@@ -26,6 +34,7 @@ pytest.importorskip("diffusers", reason="needs the optional extra plusequals[dif
 from peft import LoraConfig  # noqa: E402
 from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: E402
 
+from test_diffusers import make_inputs as diffusers_inputs  # noqa: E402
 from test_lora import call, inputs, lora_block  # noqa: E402
 from test_sd_features import make_unet  # noqa: E402
 
@@ -130,3 +139,137 @@ def test_a_class_entry_no_forward_reads_is_no_change_of_the_code(monkeypatch):
     with torch.no_grad():
         assert torch.equal(rust(x, c), call(block, x, c))
     assert probes == [] and rust._code_changes == []
+
+
+# ----------------------------------------------------------------------------- function modes
+
+
+class AddOneToLinear(TorchFunctionMode):
+    """Changes what the PyTorch block computes: every F.linear's output plus one."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__name__", str(func)))
+        out = func(*args, **(kwargs or {}))
+        return out + 1 if func is F.linear else out
+
+
+class ScaleLayerNorm(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 1.5 if func is F.layer_norm else out
+
+
+class PassThrough(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+MODES = {"add one to F.linear": AddOneToLinear, "scale F.layer_norm": ScaleLayerNorm, "pass through": PassThrough}
+
+
+def small():
+    block = make_block(dim=32, heads=4, d_head=8, context_dim=24, seed=3)
+    x, c = make_inputs(tokens=6, dim=32)
+    return block, x, c[..., :24].contiguous()
+
+
+@pytest.mark.parametrize("cls", [RustBlock, CppBlock])
+def test_under_a_mode_that_changes_f_linear_the_pytorch_block_runs(cls):
+    block, x, c = small()
+    twin = cls.from_torch(block)
+    with torch.no_grad():
+        plain = block(x, c)
+        with AddOneToLinear() as expected_mode:
+            expected = block(x, c)
+        with AddOneToLinear() as mode:
+            got = twin(x, c)
+        with AddOneToLinear():
+            owned = twin.forward_owned(x, c)
+    assert not torch.equal(expected, plain)  # the mode changes the PyTorch block
+    assert torch.equal(got, expected) and torch.equal(owned, expected)
+    assert mode.calls == expected_mode.calls and "linear" in mode.calls  # it saw the block's own calls
+    with torch.no_grad():
+        assert torch.equal(twin(x, c), plain) and twin._entry is not None  # the twin again, on the hot path
+
+
+@pytest.mark.parametrize("cls", [RustBlock, CppBlock])
+def test_under_a_mode_gradients_are_the_pytorch_blocks(cls):
+    block, x, c = small()
+    twin = cls.from_torch(block)
+    grads = []
+    for module in (block, twin):
+        xg = x.clone().requires_grad_()
+        with AddOneToLinear():
+            module(xg, c).square().sum().backward()
+        grads.append([xg.grad] + [p.grad.clone() for p in block.parameters()])
+        block.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_under_a_mode_a_donation_is_refused_and_a_state_dict_block_is_refused_naming_it():
+    """No PyTorch block to run (from_state_dict): refused naming the mode; a donation is refused as
+    before. The inputs are bitwise unchanged and the block works once the mode exits."""
+    block, x, c = small()
+    weights = {k: v.detach().clone() for k, v in block.state_dict().items()}
+    built = RustBlock.from_state_dict(weights, dim=32, n_heads=4, d_head=8, context_dim=24)
+    follows = RustBlock.from_torch(block)
+    before = x.clone()
+    with torch.no_grad(), AddOneToLinear():
+        with pytest.raises(UnsupportedBlockError, match=r"TorchFunctionMode is active \(AddOneToLinear\)"):
+            built(x, c)
+        with pytest.raises(UnsupportedBlockError, match="AddOneToLinear"):
+            built.forward_owned(x, c)
+        with pytest.raises(OwnershipError, match="AddOneToLinear"):
+            follows.forward_owned(x, c, donate=True)
+    assert torch.equal(x, before) and type(x) is torch.Tensor
+    with torch.no_grad():
+        assert torch.equal(built(x, c), block(x, c)) and torch.equal(follows(x, c), block(x, c))
+
+
+def test_a_submodule_replaced_on_the_twin_only_is_refused_under_a_mode():
+    block, x, c = small()
+    twin = RustBlock.from_torch(block)
+    twin.norm1 = torch.nn.LayerNorm(32)
+    with torch.no_grad(), AddOneToLinear():
+        with pytest.raises(UnsupportedBlockError, match="its norm1 was replaced here"):
+            twin(x, c)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    st.lists(st.tuples(st.sampled_from([None, *MODES]), st.booleans(), st.sampled_from(["rust", "cpp"])), max_size=8)
+)
+def test_generated_calls_in_and_out_of_modes_equal_the_pytorch_block(steps):
+    """Each step: a call (forward or forward_owned, Rust or C++ twin) under one of the modes or
+    none, against the PyTorch block under the same mode: bitwise (fp32 on the CPU)."""
+    block, x, c = small()
+    twins = {"rust": RustBlock.from_torch(block), "cpp": CppBlock.from_torch(block)}
+    for mode, owned, which in steps:
+        twin = twins[which]
+        with torch.no_grad():
+            with MODES[mode]() if mode else contextlib.nullcontext():
+                expected = block(x, c)
+            with MODES[mode]() if mode else contextlib.nullcontext():
+                got = twin.forward_owned(x, c) if owned else twin(x, c)
+        assert torch.equal(got, expected), (mode, owned, which)
+
+
+def test_a_swapped_unet_under_a_mode_is_the_librarys_under_it():
+    """The swapped tiny UNet under a mode that changes F.linear gives the library's output under
+    that mode (its blocks run diffusers' forward), and the twins again after it."""
+    unet, reference = make_unet(), make_unet()
+    handle = swap_transformer_blocks(unet)
+    inputs = diffusers_inputs()
+    with torch.no_grad():
+        plain = reference(*inputs).sample
+        with AddOneToLinear():
+            expected = reference(*inputs).sample
+        with AddOneToLinear():
+            got = unet(*inputs).sample
+        assert not torch.equal(expected, plain) and torch.equal(got, expected)
+        assert torch.equal(unet(*inputs).sample, plain)
+    assert all(s.replacement._entry is not None for s in handle)

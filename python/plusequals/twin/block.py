@@ -22,6 +22,7 @@ from .adapters import eager_extras, forward_tuple, functorch_weights, takes_imag
 from .arguments import check_tensor, masks_of, pair, refuse_grad, seen
 from .build import check_dims, validated_inner
 from .config import BlockConfig
+from .delegate import delegated, under_function_mode
 from .dispatch import autocast_dtype, converts_results, seen_by_python, symbolic, why_not_donatable
 from .faithful import CHILDREN, Reading, can_probe, probe, read_block
 from .hooks import run_under_saved_tensor_hooks
@@ -361,6 +362,9 @@ class RustBlock(nn.Module):
                     y = NotImplemented  # the module changed: the full path reads it again
                 if y is not NotImplemented:
                     return y
+        modes = under_function_mode(x, context)  # which would see the PyTorch block's calls: it runs
+        if modes:
+            return delegated(self, modes, x, context, masks_of(attention_mask, encoder_attention_mask))
         masks = (
             {}
             if attention_mask is None and encoder_attention_mask is None
@@ -410,6 +414,10 @@ class RustBlock(nn.Module):
                 if y is not NotImplemented:
                     return y
         masks = masks_of(attention_mask, encoder_attention_mask)
+        modes = [] if donate else under_function_mode(x, context)  # a donation under one: refused (_donate)
+        if modes:
+            refuse_grad(x, context if isinstance(context, Tensor) else None)
+            return delegated(self, modes, x, context, masks, owned=True)
         if isinstance(context, (tuple, list)) and takes_images(self):  # IP-Adapter's: forward's sums, grad off
             return forward_tuple(self, x, context, masks, donate=donate)
         traced = torch.compiler.is_compiling() or symbolic(x, context) or (bool(masks) and symbolic(*pair(masks)))

@@ -37,6 +37,7 @@ from . import casting
 from .adapters import forward_tuple
 from .block import ADOPT, RustBlock
 from .config import rust_keys
+from .delegate import delegated_call, under_function_mode
 from .dispatch import seen_by_python, symbolic
 from .faithful import SUPPORTED_PROCESSORS, read_block
 
@@ -147,6 +148,12 @@ class RustTransformerBlock(RustBlock):
     ) -> Tensor:
         # timestep, class_labels and added_cond_kwargs are read only by the ada-norm kinds;
         # diffusers' block of the layer_norm kind ignores them, and so does this one.
+        modes = under_function_mode(hidden_states, encoder_hidden_states)
+        if modes:  # which would see the library's block's calls: it runs, with these arguments (twin/delegate.py)
+            kw = dict(attention_mask=attention_mask, encoder_hidden_states=encoder_hidden_states, timestep=timestep)
+            kw.update(encoder_attention_mask=encoder_attention_mask, cross_attention_kwargs=cross_attention_kwargs)
+            kw.update(class_labels=class_labels, added_cond_kwargs=added_cond_kwargs, **kwargs)
+            return delegated_call(self, modes, (hidden_states,), kw)
         masks = {"attention_mask": attention_mask, "encoder_attention_mask": encoder_attention_mask}
         cast = self._layerwise_casting()
         pair = isinstance(encoder_hidden_states, (tuple, list)) and len(encoder_hidden_states) > 0
