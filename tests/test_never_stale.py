@@ -9,6 +9,9 @@
   may change them; the twin is one call it cannot change. Under one, the PyTorch block's forward
   runs in place of the twin (``twin/delegate.py``), or, with no PyTorch block to run, the call is
   refused naming the mode; once the mode exits, the twin runs again.
+* With parameters swapped on conversion (``torch.__future__``), ``.double()`` and
+  ``load_state_dict`` on the PyTorch block a twin follows work: the twin lets go of the
+  parameters first (``twin/letgo.py``) and follows.
 """
 
 from __future__ import annotations
@@ -273,3 +276,92 @@ def test_a_swapped_unet_under_a_mode_is_the_librarys_under_it():
         assert not torch.equal(expected, plain) and torch.equal(got, expected)
         assert torch.equal(unet(*inputs).sample, plain)
     assert all(s.replacement._entry is not None for s in handle)
+
+
+# ------------------------------------------------------------------- swapped parameters
+
+
+@pytest.fixture
+def swapping():
+    was = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(was)
+
+
+CONVERSIONS = {
+    "double": lambda m, seed: m.double(),
+    "float": lambda m, seed: m.float(),
+    "bfloat16": lambda m, seed: m.bfloat16(),
+    "load_state_dict": lambda m, seed: m.load_state_dict({k: v * (1 + seed / 8) for k, v in m.state_dict().items()}),
+    "load_state_dict(assign=True)": lambda m, seed: m.load_state_dict(
+        {k: v * (1 - seed / 8) for k, v in m.state_dict().items()}, assign=True
+    ),
+}
+
+
+def _same(twin, block, x, c):
+    dtype = next(block.parameters()).dtype
+    with torch.no_grad():
+        got, expected = twin(x.to(dtype), c.to(dtype)), block(x.to(dtype), c.to(dtype))
+    assert got.dtype == dtype and torch.equal(got, expected), dtype
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    st.sampled_from([RustBlock, CppBlock]),
+    st.lists(
+        st.tuples(
+            st.sampled_from(list(CONVERSIONS)), st.sampled_from(["original", "twin", "submodule"]), st.integers(0, 7)
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_conversions_that_swap_parameters_work_on_the_original_and_the_twin_follows(cls, steps):
+    """Generated conversions with swapped parameters, on the original block (which the user still
+    holds), one of its submodules, or the twin, each followed by a call: the twin gives the block's
+    result, bitwise; the flag is restored after."""
+    was = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        block, x, c = small()
+        twin = cls.from_torch(block)
+        _same(twin, block, x, c)
+        for name, where, seed in steps:
+            if where == "submodule" and not name.startswith("load"):
+                where = "original"  # one submodule in another dtype: the PyTorch block fails too
+            target = {"original": block, "twin": twin, "submodule": block.attn2}[where]
+            CONVERSIONS[name](target, seed)
+            _same(twin, block, x, c)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(was)
+
+
+def test_a_swapped_unets_original_blocks_convert_and_the_unet_follows(swapping):
+    unet, reference = make_unet(), make_unet()
+    handle = swap_transformer_blocks(unet)
+    inputs = diffusers_inputs()
+    with torch.no_grad():
+        assert torch.equal(unet(*inputs).sample, reference(*inputs).sample)
+    for s in handle:
+        s.original.double()
+        s.original.float()
+    unet.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        assert torch.equal(unet(*inputs).sample, reference(*inputs).sample)
+
+
+def test_without_a_twin_swap_tensors_is_torchs_own(swapping):
+    """No twin holds the tensors: torch's rules, a weak reference still refused."""
+    import weakref
+
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.zeros(2))
+    torch.utils.swap_tensors(a, b)
+    assert torch.equal(a, torch.zeros(2)) and torch.equal(b, torch.ones(2))
+    keep = weakref.ref(a)
+    with pytest.raises(RuntimeError, match="weakref"):
+        torch.utils.swap_tensors(a, b)
+    assert keep() is a

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .. import _rust
 from ..errors import UnsupportedBlockError, ownership_error
-from . import ops
+from . import letgo, ops
 from .adapters import eager_extras, forward_tuple, functorch_weights, takes_images
 from .arguments import check_tensor, masks_of, pair, refuse_grad, seen
 from .build import check_dims, validated_inner
@@ -140,6 +140,7 @@ class RustBlock(nn.Module):
             self._modules[name] = block._modules.get(name)  # in the block's order: same state_dict
         self.__dict__["_source"] = block
         self._source_kids = {name: block._modules.get(name) for name in CHILDREN}
+        letgo.follow(self)  # block.double() with swapped parameters: lets go first (twin/letgo.py)
         self._ensure_current(error)
 
     @classmethod
@@ -516,7 +517,7 @@ class RustBlock(nn.Module):
     # swap each parameter's TensorImpl (torch.utils.swap_tensors), which needs libtorch's use count
     # of it to be the Python object's alone. The Rust block holds a second one, so it lets go first
     # and builds again on the next call (only where it follows a module: from_state_dict's tensors
-    # are not this module's parameters).
+    # are not this module's parameters); called on the block it follows: twin/letgo.py.
     def _apply(self, fn: Any, recurse: bool = True) -> "RustBlock":
         if self._source is None and self._weights is not None:  # from_state_dict: no parameters to convert
             raise TypeError(
@@ -539,8 +540,11 @@ class RustBlock(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
 
     def _let_go_for_swap(self) -> None:
-        if self._source is None or not torch.__future__.get_swap_module_params_on_conversion():
-            return
+        if self._source is not None and torch.__future__.get_swap_module_params_on_conversion():
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """Drops the Rust block (and the reading): it reads the module and builds on the next call."""
         self._entry = self._reading = self._weights = None
         self._twin.inner = self._twin.weights = self._twin.facts = self._twin.other = None
 
@@ -559,6 +563,7 @@ class RustBlock(nn.Module):
         self.__dict__["_slot"] = self._twin.id
         if self._source is not None:
             self._source_kids = {name: self._source._modules.get(name) for name in CHILDREN}
+            letgo.follow(self)
         self._rebind()
 
 
