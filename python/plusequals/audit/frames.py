@@ -6,8 +6,9 @@ of plusequals and the audit's harnesses are user code here). Once a module has w
 argument, the names that held that memory in the frames that called it are *moved*; those frames
 are then watched instruction by instruction (``sys.monitoring`` on 3.12+, ``sys.settrace`` on
 3.11; from that moment only: a clean model runs unwatched) until each name is read (a finding),
-bound again or deleted (no finding), or the audit ends. A read in another function (a closure, a
-callee) or after the audit returns is not seen.
+bound again or deleted (no finding), or the audit ends. A read in a comprehension, a generator
+expression or a lambda that a watched frame calls (a free variable that is the frame's cell) is
+seen; one in another function (a callee given the value) or after the audit returns is not.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 __all__ = [
     "MoveTracer",
     "call_names",
+    "closures",
     "function_holding",
     "holders",
     "is_user",
@@ -225,19 +227,43 @@ def function_holding(
     return None
 
 
+_CLOSURES: Dict[Tuple[CodeType, str], Tuple[CodeType, ...]] = {}
+
+
+def closures(code: CodeType, name: str) -> Tuple[CodeType, ...]:
+    """The code objects nested in ``code`` that read its cell ``name`` as a free variable: a list
+    comprehension's or generator expression's (their own frames on 3.11), a lambda's, a nested
+    function's."""
+    found = _CLOSURES.get((code, name))
+    if found is None:
+        out = []
+        stack = [c for c in code.co_consts if isinstance(c, CodeType)]
+        while stack:
+            inner = stack.pop()
+            if name in inner.co_freevars:
+                out.append(inner)
+                stack += [c for c in inner.co_consts if isinstance(c, CodeType)]
+        found = _CLOSURES[(code, name)] = tuple(out)
+    return found
+
+
 class MoveTracer:
     """Watches the frames that hold moved names and calls ``on_read(frame, name, info)`` the
     first time each is read. On CPython 3.12+ it asks ``sys.monitoring`` for the instructions of
     those frames' code (3.12's ``settrace`` gives no opcode events to a frame already running);
     on 3.11, ``sys.settrace`` with ``f_trace_opcodes``. A frame is watched only while it holds a
     name not yet read, bound again or deleted, and until it returns: once no frame is, nothing is
-    traced (on 3.11 a trace function slows every Python frame, not only the watched ones).
+    traced (on 3.11 a trace function slows every Python frame, not only the watched ones). A
+    moved name that is a cell (read by a comprehension, a generator expression or a lambda) is
+    also watched in the frames of those inner code objects that the watched frame calls.
     ``stop()`` undoes it all."""
 
     def __init__(self, on_read: Callable[[FrameType, str, Any], None]) -> None:
         self._on_read = on_read
         self._moved: Dict[FrameType, Dict[str, Any]] = {}
         self._codes: Dict[CodeType, int] = {}  # 3.12+: code -> how many watched frames run it
+        self._inner: Dict[CodeType, int] = {}  # inner code -> how many watched frames' cells it reads
+        self._inner_of: Dict[FrameType, Set[CodeType]] = {}
         self._previous: Any = None
         self._tool: Optional[int] = None
         self._started = False  # 3.12+: the tool id is ours
@@ -252,6 +278,13 @@ class MoveTracer:
         if names is None:
             names = self._moved[frame] = {}
             self._follow(frame, now)
+        if name in frame.f_code.co_cellvars and name not in names:
+            mine = self._inner_of.setdefault(frame, set())
+            for code in closures(frame.f_code, name):
+                if code not in mine:
+                    mine.add(code)
+                    self._inner[code] = self._inner.get(code, 0) + 1
+                    self._use(code)
         return names.setdefault(name, info)
 
     def arm(self) -> None:
@@ -261,16 +294,30 @@ class MoveTracer:
             self._previous = sys.gettrace()
             sys.settrace(self._call)
 
+    def _use(self, code: CodeType) -> None:
+        """3.12+: ``code``'s instructions are reported (counted: several frames may need them)."""
+        if _MONITORING is None:
+            return
+        if not self._started:
+            self._start()
+        count = self._codes.get(code, 0)
+        self._codes[code] = count + 1
+        if count == 0 and self._tool is not None:
+            events = _MONITORING.events.INSTRUCTION | _MONITORING.events.PY_RETURN
+            _MONITORING.set_local_events(self._tool, code, events)
+
+    def _unuse(self, code: CodeType) -> None:
+        if _MONITORING is None:
+            return
+        count = self._codes.pop(code, 1) - 1
+        if count > 0:
+            self._codes[code] = count
+        elif self._tool is not None:
+            _MONITORING.set_local_events(self._tool, code, 0)
+
     def _follow(self, frame: FrameType, now: bool) -> None:
         if _MONITORING is not None:
-            if not self._started:
-                self._start()
-            code = frame.f_code
-            count = self._codes.get(code, 0)
-            self._codes[code] = count + 1
-            if count == 0 and self._tool is not None:
-                events = _MONITORING.events.INSTRUCTION | _MONITORING.events.PY_RETURN
-                _MONITORING.set_local_events(self._tool, code, events)
+            self._use(frame.f_code)
             return
         frame.f_trace = self._opcode
         frame.f_trace_lines = False
@@ -282,13 +329,13 @@ class MoveTracer:
         """``frame`` holds no moved name any more (or returned): no longer traced."""
         if self._moved.pop(frame, None) is None:
             return
-        if _MONITORING is not None:
-            code = frame.f_code
-            count = self._codes.pop(code, 1) - 1
+        for code in self._inner_of.pop(frame, ()):
+            count = self._inner.pop(code, 1) - 1
             if count > 0:
-                self._codes[code] = count
-            elif self._tool is not None:
-                _MONITORING.set_local_events(self._tool, code, 0)
+                self._inner[code] = count
+            self._unuse(code)
+        if _MONITORING is not None:
+            self._unuse(frame.f_code)
             return
         frame.f_trace_opcodes = False
         frame.f_trace = None
@@ -311,7 +358,12 @@ class MoveTracer:
             _MONITORING.register_callback(self._tool, _MONITORING.events.PY_RETURN, self._returned)
 
     def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
-        # new frames are not traced by the audit; a tracer that was there before still is
+        # new frames are not traced by the audit but those of an inner code object that reads a
+        # watched cell; a tracer that was there before still is
+        if frame.f_code in self._inner:
+            frame.f_trace_lines = False
+            frame.f_trace_opcodes = True
+            return self._opcode
         return self._previous(frame, event, arg) if self._previous is not None else None
 
     def _opcode(self, frame: FrameType, event: str, arg: Any) -> Any:
@@ -319,7 +371,7 @@ class MoveTracer:
             self._seen(frame, frame.f_lasti)
         elif event == "return" and frame.f_code.co_code[frame.f_lasti] != _YIELD_VALUE:  # 3.11: a yield too
             self._unfollow(frame)
-        return self._opcode if frame in self._moved else None
+        return self._opcode if frame in self._moved or frame.f_code in self._inner else None
 
     def _instruction(self, code: CodeType, offset: int) -> Any:
         self._seen(sys._getframe(1), offset)
@@ -329,6 +381,8 @@ class MoveTracer:
 
     def _seen(self, frame: FrameType, offset: int) -> None:
         moved = self._moved.get(frame)
+        if moved is None and frame.f_code in self._inner:
+            self._seen_inner(frame, offset)
         if not moved:
             return
         what, names = _names(frame.f_code).get(offset, ("", ()))
@@ -338,6 +392,30 @@ class MoveTracer:
                 self._on_read(frame, name, info)
         if not moved:
             self._unfollow(frame)
+
+    def _seen_inner(self, frame: FrameType, offset: int) -> None:
+        """An instruction of a comprehension, generator expression or lambda: a read of a free
+        variable that is a moved cell of a watched frame that called it."""
+        what, names = _names(frame.f_code).get(offset, ("", ()))
+        free = [n for n in names if n in frame.f_code.co_freevars]
+        if not free:
+            return
+        outer, depth = frame.f_back, 0
+        while outer is not None and depth < 64:
+            moved = self._moved.get(outer)
+            if moved and frame.f_code in self._inner_of.get(outer, ()) and any(n in moved for n in free):
+                break
+            outer, depth = outer.f_back, depth + 1
+        else:
+            return
+        if outer is None:
+            return
+        for name in free:
+            info = moved.pop(name, None)
+            if info is not None and what == "read":
+                self._on_read(frame, name, info)
+        if not moved:
+            self._unfollow(outer)
 
     def stop(self) -> None:
         for frame in list(self._moved):
@@ -354,3 +432,5 @@ class MoveTracer:
             self._started = False
         self._moved.clear()
         self._codes.clear()
+        self._inner.clear()
+        self._inner_of.clear()

@@ -277,8 +277,11 @@ class WriteWatch(TorchDispatchMode):
         (a use of one of them now interleaves); anything else is the recorder's."""
         if isinstance(info, Reborrow):
             later = Interleaved(info.alias, name, location(frame))
-            for w in info.through:
-                self.tracer.watch(frame, w, later)
+            holder: Optional[FrameType] = frame  # read in a comprehension: the names are its caller's
+            while holder is not None and not any(w in holder.f_locals for w in info.through):
+                holder = holder.f_back
+            for w in info.through if holder is not None else ():
+                self.tracer.watch(holder, w, later)
             return
         self.recorder.on_read(frame, name, info)
 
