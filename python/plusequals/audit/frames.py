@@ -31,6 +31,7 @@ __all__ = [
     "is_user",
     "line_names",
     "location",
+    "mutation_site",
     "taken_from",
     "user_frame",
 ]
@@ -198,6 +199,29 @@ def taken_from(code: CodeType, name: str) -> Set[str]:
         found.discard(name)
         _TAKEN[(code, name)] = found
     return found
+
+
+_MUTATORS = frozenset(
+    {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "sort", "reverse"}
+)
+
+
+def mutation_site(code: CodeType, name: str) -> Tuple[int, str]:
+    """The first line of ``code`` that mutates the list or dict ``name`` (or an element taken
+    from it: ``for t in targets: t["boxes"] = ...``), and how (``__setitem__``, ``append``);
+    ``code``'s first line and ``"mutated"`` if none is found (the mutation is in a callee)."""
+    names = {name} | {n for n in code.co_varnames if name in taken_from(code, n)}
+    _, rows = _table(code)
+    for i, (_, where, opname, argnames) in enumerate(rows):
+        if where is None:
+            continue
+        if opname in ("STORE_SUBSCR", "DELETE_SUBSCR") and _read_within(code, i) & names:
+            return where[0], "__setitem__" if opname == "STORE_SUBSCR" else "__delitem__"
+        if opname in ("LOAD_METHOD", "LOAD_ATTR") and argnames[0] in _MUTATORS and i > 0:
+            before = rows[i - 1]
+            if before[2] in _READS and before[3][0] in names:
+                return where[0], argnames[0]
+    return code.co_firstlineno, "mutated"
 
 
 def holders(frame: FrameType, overlaps: Callable[[Any], bool]) -> Iterator[str]:

@@ -36,6 +36,8 @@ from .frames import (
     is_user,
     line_names,
     location,
+    mutation_site,
+    short_path,
     taken_from,
     user_frame,
 )
@@ -182,6 +184,7 @@ class WriteWatch(TorchDispatchMode):
         # ops of its own meanwhile), so they are read at the next write, module boundary or confirm
         self._pending: List[Tuple[Any, bool]] = []
         modules.boundary = self.boundary
+        modules.mutated = self._mutated
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -314,9 +317,31 @@ class WriteWatch(TorchDispatchMode):
                 # the frames above the call run only once it has returned: traced from its end
                 self.recorder.same_value(self.tracer.watch(frame, name, move, now=False).seq, seq)
 
+    def _mutated(self, call: Call, label: str, kind: str, holder: str) -> None:
+        """``call`` mutated a list or dict of tensors it was given that ``holder`` keeps: ``E0596``
+        (a ``&Vec<Tensor>`` or ``&HashMap<_, Tensor>`` cannot be mutated), at the line of its
+        ``forward`` (or function) that does it."""
+        fn = call.obj.forward if isinstance(call.obj, torch.nn.Module) else call.obj
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is None:
+            where, how = "?", "mutated"
+        else:
+            line, how = mutation_site(code, label.split("[", 1)[0])
+            where = f"{short_path(code.co_filename)}:{line}"
+        rust = "&HashMap<_, Tensor>" if kind == "dict" else "&Vec<Tensor>"
+        message = (
+            f"`{call.module or '(root)'}` ({call.cls}) mutated the {kind} `{label}` it was given, which is also "
+            f"{holder} and outlives the call: the {kind} was only borrowed (`{rust}`), which Rust does not let "
+            "it mutate"
+        )
+        self.recorder.add(self.recorder.next(), Finding("E0596", call.module, where, f"{kind}.{how}", message))
+
     def confirm(self, roots: Optional[List[Any]]) -> None:
         """Turns the candidates into ``E0502`` findings where the write bumped the version of a
-        saved tensor whose node a backward from ``roots`` would run (``None``: any node)."""
+        saved tensor whose node a backward from ``roots`` would run (``None``: any node); a
+        callable audited (not a module) is checked for the lists and dicts it mutated."""
+        for call in [c for c in self.modules.stack if c.containers and c.caller is None]:
+            self.modules.check_containers(call)
         self.boundary()
         if not self.candidates:
             return

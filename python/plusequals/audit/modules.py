@@ -48,6 +48,8 @@ class Call(NamedTuple):
     caller: Optional[FrameType]  # the frame below which the module runs (its callers' user frames are above it)
     ident: int  # id() of the module object
     obj: Any = None  # the module (held while it runs)
+    # the lists and dicts of tensors it was given that someone else holds: [container, label, contents]
+    containers: Tuple[List[Any], ...] = ()
 
 
 def _param_names(fn: Any, cache: Dict[Any, Tuple[str, ...]]) -> Tuple[str, ...]:
@@ -74,13 +76,38 @@ def writer_of(module: Any) -> Optional[str]:
     return f"nn.{cls.__name__}" + ("(inplace=True)" if getattr(module, "inplace", False) is True else "")
 
 
-def arguments(module: Any, args: tuple, kwargs: dict, cache: Dict[Any, Tuple[str, ...]]) -> Tuple[Arg, ...]:
+def labelled(module: Any, args: tuple, kwargs: dict, cache: Dict[Any, Tuple[str, ...]]) -> List[Tuple[str, Any]]:
+    """Each argument with its parameter's name in ``forward``'s signature."""
     names = _param_names(module, cache)
-    labelled = [(names[i] if i < len(names) else f"args[{i}]", v) for i, v in enumerate(args)]
-    labelled += list(kwargs.items())
+    out = [(names[i] if i < len(names) else f"args[{i}]", v) for i, v in enumerate(args)]
+    return out + list(kwargs.items())
+
+
+def contents(c: Any) -> tuple:
+    """What a list or dict holds, by identity (a change is a mutation)."""
+    return tuple((k, id(v)) for k, v in list(c.items())) if isinstance(c, dict) else tuple(map(id, list(c)))
+
+
+def containers(value: Any) -> List[Tuple[str, Any]]:
+    """The lists and dicts holding tensors in ``value``: itself (``""``), and those one level
+    inside it (a list of dicts of targets: ``"[0]"``)."""
+    if not isinstance(value, (list, tuple, dict)):
+        return []
+    inside = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+    out = [("", value)] if not isinstance(value, tuple) and any(isinstance(v, Tensor) for _, v in inside[:256]) else []
+    for k, v in inside[:256]:
+        if isinstance(v, (list, dict)) and any(
+            isinstance(t, Tensor) for t in (v.values() if isinstance(v, dict) else v)
+        ):
+            out.append((f"[{k!r}]", v))
+    return out
+
+
+def arguments(module: Any, args: tuple, kwargs: dict, cache: Dict[Any, Tuple[str, ...]]) -> Tuple[Arg, ...]:
+    labelled_ = labelled(module, args, kwargs, cache)
     out = []
     with torch._C.DisableTorchFunction():
-        for label, value in labelled:
+        for label, value in labelled_:
             for t in (value,) if isinstance(value, Tensor) else tensors(value):
                 s = span(t)
                 if s is not None:
@@ -105,6 +132,11 @@ class ModuleWatch:
         self._params: Dict[Any, Tuple[str, ...]] = {}
         self._kept: Dict[int, List[Tuple[Span, Tuple[str, str]]]] = {}  # storage -> (span, (kind, name))
         self._root: Optional[int] = None  # id() of the audited module
+        # the lists and dicts of tensors that outlive the calls (the audited call's arguments, the
+        # watched modules' attributes): id -> (the container, who holds it)
+        self._shared: Dict[int, Tuple[Any, str]] = {}
+        # a call mutated a shared container it was given: (call, label, kind, holder)
+        self.mutated: Callable[[Call, str, str, str], None] = lambda call, label, kind, holder: None
         self._handles: List[Any] = []
         self._thread = threading.get_ident()
         # called at each boundary, before the stack changes (the write watch settles what
@@ -136,6 +168,7 @@ class ModuleWatch:
         self.stack.clear()
         self._params.clear()
         self._kept.clear()
+        self._shared.clear()
 
     def _keep(self, t: Tensor, label: Tuple[str, str]) -> None:
         # the whole storage (a parameter owns its storage, or shares a flat one with others that
@@ -156,6 +189,8 @@ class ModuleWatch:
             for attr, t in vars(m).items():
                 if isinstance(t, Tensor):
                     self._keep(t, ("attribute", prefix + attr))
+                for at, c in containers(t):
+                    self._shared.setdefault(id(c), (c, f"the attribute `{prefix + attr}{at}`"))
 
     def _keep_given(self, args: Tuple[Arg, ...]) -> None:
         for a in args:
@@ -169,11 +204,40 @@ class ModuleWatch:
                 return f"the {kind} `{label}`"
         return None
 
+    def _share_given(self, values: List[Tuple[str, Any]]) -> None:
+        for label, value in values:
+            for at, c in containers(value):
+                self._shared.setdefault(id(c), (c, f"the audited call's argument `{label}{at}`"))
+
+    def _given_containers(self, values: List[Tuple[str, Any]]) -> Tuple[List[Any], ...]:
+        if not self._shared:
+            return ()
+        found = [[c, label + at, contents(c)] for label, v in values for at, c in containers(v)]
+        return tuple(e for e in found if id(e[0]) in self._shared)
+
+    def check_containers(self, call: Call) -> None:
+        """Whether ``call`` mutated a shared list or dict it was given (reported once: the calls
+        around it that were given it too take its new contents)."""
+        for entry in call.containers:
+            c, label, before = entry
+            now = contents(c)
+            if now == before:
+                continue
+            holder = self._shared.get(id(c), (c, "held by the caller"))[1]
+            self.mutated(call, label, "dict" if isinstance(c, dict) else "list", holder)
+            for other in self.stack:
+                for e in other.containers:
+                    if e[0] is c:
+                        e[2] = now
+
     def push_root(self, fn: Any, args: tuple, kwargs: dict) -> None:
         """For a callable that is not a module: its arguments are the borrowed ones."""
         given = arguments(fn, args, kwargs, self._params)
         self._keep_given(given)
-        self.stack.append(Call("", getattr(fn, "__qualname__", type(fn).__name__), given, None, 0))
+        values = labelled(fn, args, kwargs, self._params)
+        self._share_given(values)
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        self.stack.append(Call("", name, given, None, 0, fn, self._given_containers(values)))
 
     def _enter(self, module: nn.Module, args: tuple) -> None:
         if id(module) not in self._names or threading.get_ident() != self._thread:
@@ -184,10 +248,14 @@ class ModuleWatch:
         # a global pre-hook is given no keyword arguments: they are the calling frame's (torch's
         # Module._call_impl), else none are seen
         kwargs = caller.f_locals.get("kwargs") if caller.f_code.co_filename.startswith(_MODULE_PY) else None
-        given = arguments(module, args, kwargs if isinstance(kwargs, dict) else {}, self._params)
+        kwargs = kwargs if isinstance(kwargs, dict) else {}
+        given = arguments(module, args, kwargs, self._params)
+        values = labelled(module, args, kwargs, self._params)
         if id(module) == self._root and not self.stack:
             self._keep_given(given)
-        self.stack.append(Call(self._names[id(module)], type(module).__qualname__, given, caller, id(module), module))
+            self._share_given(values)
+        name, cls = self._names[id(module)], type(module).__qualname__
+        self.stack.append(Call(name, cls, given, caller, id(module), module, self._given_containers(values)))
         return None
 
     def _leave(self, module: nn.Module, args: tuple, *rest: Any) -> None:
@@ -197,6 +265,8 @@ class ModuleWatch:
         self.boundary()
         for i in range(len(self.stack) - 1, -1, -1):
             if self.stack[i].ident == id(module):
+                if self.stack[i].containers:
+                    self.check_containers(self.stack[i])
                 del self.stack[i:]
                 break
         return None
