@@ -242,6 +242,19 @@ def test_a_submodule_replaced_on_the_twin_only_is_refused_under_a_mode():
             twin(x, c)
 
 
+@pytest.mark.parametrize("cls", [RustBlock, CppBlock])
+def test_a_twin_made_under_a_mode_is_probed_outside_it(cls):
+    """The probe checks the block's code, not a mode around the call: a twin made (and probed)
+    under a mode that changes F.linear is accepted, gives the PyTorch block's result under the
+    mode, and the twin's outside it."""
+    block, x, c = small()
+    with torch.no_grad(), AddOneToLinear():
+        twin = cls.from_torch(block)
+        assert torch.equal(twin(x, c), block(x, c))
+    with torch.no_grad():
+        assert torch.equal(twin(x, c), block(x, c)) and twin._entry is not None
+
+
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(
     st.lists(st.tuples(st.sampled_from([None, *MODES]), st.booleans(), st.sampled_from(["rust", "cpp"])), max_size=8)

@@ -4,7 +4,8 @@ agree. A leaf (imports only ``config``)."""
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -52,10 +53,31 @@ def differs(got: torch.Tensor, expected: torch.Tensor, limit: float) -> Optional
     return None
 
 
+@contextlib.contextmanager
+def _outside_function_modes() -> Iterator[None]:
+    """The active TorchFunctionModes taken off for the probe, and put back after: it checks the
+    block's code, not what a mode around one call does with its torch calls (a block made under
+    a mode that changes ``F.linear`` is no other block)."""
+    modes = []
+    while torch._C._len_torch_function_stack():
+        modes.append(torch._C._pop_torch_function_stack())
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            torch._C._push_on_torch_function_stack(mode)
+
+
 def probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tensor) -> Optional[str]:
     """Runs ``block`` and the Rust block on one small seeded input, in the weights' dtype and on
     their device, and returns the reason they differ (None: they agree within :func:`bound`,
     NaN and inf in the same places). Only where :func:`can_probe`."""
+    with _outside_function_modes():
+        return _probe(block, rust_forward, spec, weight)
+
+
+def _probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tensor) -> Optional[str]:
+    """:func:`probe`, under no TorchFunctionMode."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, spec.dim, generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
     c = torch.randn(2, 3, spec.context_dim or spec.dim, generator=g, dtype=torch.float64).to(
