@@ -5,7 +5,8 @@ computes: a class patched (torch's ``nn.LayerNorm.forward`` and ``nn.Linear.forw
 ``F.scaled_dot_product_attention``, the ``F`` that the attention's module reads), the
 ``__class__`` of the attention processor or module and of a weight, ``_parameters``/``_buffers``/
 ``_modules`` replaced, an instance-dict shadow of a parameter, a ``__torch_function__`` Parameter
-subclass.
+subclass, and a name added to a class the forward uses (a property ``eps`` on ``nn.LayerNorm``, a
+``__call__`` on ``nn.Linear``, a ``__getattr__`` on the attention's class).
 
 Generated sequences of these changes (hypothesis: each step applies a change, or undoes one made
 earlier) run on ``RustBlock``, ``CppBlock`` and the swap, and after every step the Rust side must
@@ -147,6 +148,28 @@ def _weight_class_swapped(site: Site) -> Callable[[], None]:
     return lambda: setattr(w, "__class__", nn.Parameter)
 
 
+def _added(cls: type, name: str, value) -> Callable[[], None]:
+    """A name the class did not have, added to it (its dict grows): undone by deleting it."""
+    assert name not in vars(cls), (cls, name)
+    setattr(cls, name, value)
+    return lambda: delattr(cls, name)
+
+
+def _scaled_call(self, *args, **kwargs):
+    return nn.Module.__call__(self, *args, **kwargs) * SCALE
+
+
+def _getattr_added(site: Site) -> Callable[[], None]:
+    """A ``__getattr__`` on the attention's class, which the forward's ``self.to_v`` reaches (a
+    submodule is no instance attribute): it hands out a scaled ``to_v``."""
+
+    def __getattr__(self, name):
+        found = nn.Module.__getattr__(self, name)
+        return _scaled(found) if name == "to_v" else found
+
+    return _added(type(site.block.attn1), "__getattr__", __getattr__)
+
+
 ROUTES: Dict[str, Callable[[Site], Callable[[], None]]] = {
     "nn.LayerNorm.forward patched": lambda site: _patch(nn.LayerNorm, "forward", _scaled),
     "nn.Linear.forward patched": lambda site: _patch(nn.Linear, "forward", _scaled),
@@ -162,6 +185,9 @@ ROUTES: Dict[str, Callable[[Site], Callable[[], None]]] = {
     "an instance-dict shadow of a weight": _instance_shadow,
     "a __torch_function__ Parameter subclass": _weight_subclass,
     "a weight's __class__ swapped": _weight_class_swapped,
+    "a property eps added to nn.LayerNorm": lambda site: _added(nn.LayerNorm, "eps", property(lambda self: 0.5)),
+    "__call__ added to nn.Linear": lambda site: _added(nn.Linear, "__call__", _scaled_call),
+    "__getattr__ added to the attention's class": _getattr_added,
 }
 NAMES = list(ROUTES)
 
@@ -220,3 +246,23 @@ def test_generated_changes_are_followed_or_refused_and_undone_work_again(site, s
         for undo in reversed(list(undos.values())):
             undo()
     assert rel_err(site.run(), site.pytorch()) <= TOL, f"every change undone, {steps}: it must work again"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "a property eps added to nn.LayerNorm",
+        "__call__ added to nn.Linear",
+        "__getattr__ added to the attention's class",
+    ],
+)
+def test_a_name_added_to_a_class_the_forward_uses_is_followed_or_refused(site, name):
+    """Only the names a class had when read were compared: a new one (its dict grows) is a change,
+    which reads the block again and probes the new code. Undone, it works again."""
+    assert rel_err(site.run(), site.pytorch()) <= TOL
+    undo = ROUTES[name](site)
+    try:
+        _same_or_refused(site, name)
+    finally:
+        undo()
+    assert rel_err(site.run(), site.pytorch()) <= TOL

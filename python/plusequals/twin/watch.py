@@ -101,6 +101,7 @@ class Watch:
         "globals",
         "lists",
         "code",
+        "code_sizes",
         "casting",
         "rust",
         "_seen",
@@ -123,6 +124,7 @@ class Watch:
         self.globals: List[dict] = list(_global_hooks().values())
         self.lists: List[Tuple[list, List[Any]]] = []  # lists whose items are watched (PEFT's merged_adapters)
         self.code: List[Note] = []  # what the forward's code reads: classes and module globals (twin/reads.py)
+        self.code_sizes: List[Tuple[dict, int]] = []  # the dicts of self.code, each once, and its size
         self.casting: List[Tuple[str, nn.Module, Any]] = []  # layerwise casting's hooks: (path, module, hook)
         self.rust: Any = None  # the Rust watch, made by seal()
         # (object, name, value) of every non-tensor value: what a traced forward compares, so
@@ -195,8 +197,15 @@ class Watch:
     def code_of(self, objs: List[Any]) -> None:
         """Notes what calling ``objs`` (the block's modules, its processors) reads as code: the
         entries of their classes (MROs included) and the module globals their code reads
-        (:func:`plusequals.twin.reads.code_reads`)."""
+        (:func:`plusequals.twin.reads.code_reads`), and the size of each dict read: a name added
+        later (a property ``eps`` on ``nn.LayerNorm``, a ``__call__`` on ``nn.Linear``, a global
+        that shadows a builtin) is a change, which reads the block again and probes the new entry."""
         self.code = code_reads(objs)
+        seen = set()
+        for n in self.code:
+            if id(n.d) not in seen:
+                seen.add(id(n.d))
+                self.code_sizes.append((n.d, len(n.d)))
 
     def state(self, m: nn.Module) -> None:
         """Notes every value on the instance ``m`` by identity: the state an unknown class's
@@ -272,7 +281,7 @@ class Watch:
         self.rust = _rust.Watch(
             same=same,
             classes=list(zip(self.modules, self.classes)),
-            sizes=list(zip(self.ldicts, self.lens)),
+            sizes=list(zip(self.ldicts, self.lens)) + self.code_sizes,
             empty=self.hook_dicts,
             keys=[(d, list(d)) for d in self.globals],
             lists=self.lists,
