@@ -32,6 +32,7 @@ __all__ = [
     "line_names",
     "location",
     "mutation_site",
+    "swap_line",
     "taken_from",
     "user_frame",
 ]
@@ -222,6 +223,22 @@ def mutation_site(code: CodeType, name: str) -> Tuple[int, str]:
             if before[2] in _READS and before[3][0] in names:
                 return where[0], argnames[0]
     return code.co_firstlineno, "mutated"
+
+
+def swap_line(code: CodeType) -> int:
+    """The last line of ``code`` that swaps a tensor's memory (``t.data = ...``, ``t.set_(...)``:
+    the swap back, after the ops that used the swapped data); its first line if none."""
+    _, rows = _table(code)
+    found = [
+        where[0]
+        for _, where, opname, names in rows
+        if where is not None
+        and (
+            (opname == "STORE_ATTR" and names[0] == "data")
+            or (opname in ("LOAD_METHOD", "LOAD_ATTR") and names[0] == "set_")
+        )
+    ]
+    return found[-1] if found else code.co_firstlineno
 
 
 def holders(frame: FrameType, overlaps: Callable[[Any], bool]) -> Iterator[str]:

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -182,7 +183,7 @@ class WriteWatch(TorchDispatchMode):
         # the outputs of the ops since the last settle, and whether saved-tensors hooks were active
         # then: autograd attaches their nodes once each op has returned through it (and may dispatch
         # ops of its own meanwhile), so they are read at the next write, module boundary or confirm
-        self._pending: List[Tuple[Any, bool]] = []
+        self._pending: List[Tuple[Any, bool, Optional[Dict[int, Optional[Span]]]]] = []
         modules.boundary = self.boundary
         modules.mutated = self._mutated
 
@@ -198,7 +199,10 @@ class WriteWatch(TorchDispatchMode):
                     self._check(func, written, metadata_only)
         out = func(*args, **kwargs)
         if torch.is_grad_enabled():
-            self._pending.append((out, hooks_active()))
+            # a parameter's memory as the op used it: its `.data` may be swapped before the
+            # next settle (no op shows that), and autograd then saved other data than it computed with
+            params = [a for a in args if type(a) is Parameter]
+            self._pending.append((out, hooks_active(), {id(a): span(a) for a in params} if params else None))
         return out
 
     def boundary(self) -> None:
@@ -219,13 +223,13 @@ class WriteWatch(TorchDispatchMode):
         pending, self._pending = self._pending, []
         module = self.modules.current()
         with torch._C.DisableTorchFunction():
-            for out, quiet in pending:
+            for out, quiet, at_op in pending:
                 if isinstance(out, Tensor):
-                    self.saved.note(out.grad_fn, quiet, module)
+                    self.saved.note(out.grad_fn, quiet, module, at_op)
                 elif isinstance(out, (tuple, list)):
                     for t in out:
                         if isinstance(t, Tensor):
-                            self.saved.note(t.grad_fn, quiet, module)
+                            self.saved.note(t.grad_fn, quiet, module, at_op)
 
     def _check(self, func: Any, written: List[Tensor], metadata_only: bool) -> None:
         where: Optional[str] = None
@@ -336,6 +340,22 @@ class WriteWatch(TorchDispatchMode):
         )
         self.recorder.add(self.recorder.next(), Finding("E0596", call.module, where, f"{kind}.{how}", message))
 
+    def _swapped(self, entries: List[Saved]) -> None:
+        """``E0502`` for each parameter whose ``.data`` was swapped (``.data =``, ``set_``) after
+        autograd saved it: backward will compute with other data than the forward did, and no
+        version counter notices. At the forward's line that swaps it, if found."""
+        for e in entries:
+            s = span(e.tensor)
+            name = self.modules.kept(s) if s is not None else None
+            where = self.modules.swap_site(e.module)
+            message = (
+                f"the `.data` of {name or 'a parameter'} was swapped after {type(e.node).__name__}"
+                f"{f' in `{e.module}`' if e.module else ''} saved it for backward ({e.attr.lstrip('_')}): "
+                "autograd borrowed it until backward, which will compute with other data than the forward used "
+                "(`.data =` bumps no version: PyTorch never notices)"
+            )
+            self.recorder.add(self.recorder.next(), Finding("E0502", e.module, where, ".data =", message))
+
     def confirm(self, roots: Optional[List[Any]]) -> None:
         """Turns the candidates into ``E0502`` findings where the write bumped the version of a
         saved tensor whose node a backward from ``roots`` would run (``None``: any node); a
@@ -343,9 +363,11 @@ class WriteWatch(TorchDispatchMode):
         for call in [c for c in self.modules.stack if c.containers and c.caller is None]:
             self.modules.check_containers(call)
         self.boundary()
-        if not self.candidates:
+        swapped = self.saved.swapped()
+        if not self.candidates and not swapped:
             return
         live = None if roots is None else reachable(roots)
+        self._swapped([e for e in swapped if live is None or e.node in live])
         for c in self.candidates:
             hit = [e for e in overwritten(c.entries) if live is None or e.node in live]
             if hit:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from .frames import is_user
+from .frames import is_user, short_path, swap_line
 from .memory import Span, span, tensors
 
 __all__ = ["Arg", "Call", "ModuleWatch"]
@@ -135,6 +135,7 @@ class ModuleWatch:
         # the lists and dicts of tensors that outlive the calls (the audited call's arguments, the
         # watched modules' attributes): id -> (the container, who holds it)
         self._shared: Dict[int, Tuple[Any, str]] = {}
+        self._by_name: Dict[str, nn.Module] = {}
         # a call mutated a shared container it was given: (call, label, kind, holder)
         self.mutated: Callable[[Call, str, str, str], None] = lambda call, label, kind, holder: None
         self._handles: List[Any] = []
@@ -156,6 +157,7 @@ class ModuleWatch:
             if type(m).__module__.startswith(_OPAQUE_PREFIX):
                 opaque.append(name)
             self._names[id(m)] = name
+            self._by_name[name] = m
             self._keep_module(name, m)
         self.watched = len(self._names)
         self._handles.append(register_module_forward_pre_hook(self._enter))
@@ -169,6 +171,7 @@ class ModuleWatch:
         self._params.clear()
         self._kept.clear()
         self._shared.clear()
+        self._by_name.clear()
 
     def _keep(self, t: Tensor, label: Tuple[str, str]) -> None:
         # the whole storage (a parameter owns its storage, or shares a flat one with others that
@@ -270,6 +273,13 @@ class ModuleWatch:
                 del self.stack[i:]
                 break
         return None
+
+    def swap_site(self, module: str) -> str:
+        """``path:line`` in ``module``'s ``forward`` that swaps a tensor's ``.data`` (see
+        :func:`.frames.swap_line`); ``"?"`` if it has no Python ``forward``."""
+        fn = getattr(self._by_name.get(module), "forward", None)
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        return "?" if code is None else f"{short_path(code.co_filename)}:{swap_line(code)}"
 
     def current(self) -> str:
         return self.stack[-1].module if self.stack else ""

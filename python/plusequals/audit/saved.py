@@ -10,10 +10,11 @@ them (autograd no longer checks their versions), and unpacking them would run th
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, NamedTuple, Set, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
+from torch.nn import Parameter
 
 from .memory import Span, span
 
@@ -65,10 +66,12 @@ class SavedTensors:
     def __init__(self) -> None:
         self.seen: Set[Any] = set()
         self._by_storage: Dict[int, List[Saved]] = {}
+        self._params: List[Saved] = []  # the saved tensors that are parameters
 
-    def note(self, node: Any, quiet: bool, module: str) -> None:
+    def note(self, node: Any, quiet: bool, module: str, at_op: Optional[Dict[int, Optional[Span]]] = None) -> None:
         """Walks the nodes behind ``node`` not seen yet, noting what each saved (nothing when
-        ``quiet``: saved under saved-tensors hooks); ``module`` was running when they were."""
+        ``quiet``: saved under saved-tensors hooks); ``module`` was running when they were;
+        ``at_op``: the memory of the parameters the op was given, by id, as it used them."""
         if node is None or node in self.seen:
             return
         stack = [node]
@@ -78,10 +81,10 @@ class SavedTensors:
                 continue
             self.seen.add(n)
             if not quiet:
-                self._note_saved(n, module)
+                self._note_saved(n, module, at_op)
             stack.extend(next_node for next_node, _ in n.next_functions)
 
-    def _note_saved(self, node: Any, module: str) -> None:
+    def _note_saved(self, node: Any, module: str, at_op: Optional[Dict[int, Optional[Span]]]) -> None:
         cls = type(node)
         scalars = _SCALARS.setdefault(cls, set())
         for attr in _saved_attrs(cls):
@@ -96,10 +99,12 @@ class SavedTensors:
                 continue
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, Tensor):
-                    s = span(t)
+                    s = at_op.get(id(t)) if at_op is not None and id(t) in at_op else span(t)
                     if s is not None:
                         entry = Saved(node, attr, t, t._version, s, module)
                         self._by_storage.setdefault(s.storage, []).append(entry)
+                        if type(t) is Parameter:
+                            self._params.append(entry)
 
     def saving(self, written: Span) -> List[Saved]:
         """The saved tensors, not yet overwritten since saved, whose memory ``written`` overlaps.
@@ -111,6 +116,16 @@ class SavedTensors:
             for e in self._by_storage.get(written.storage, ())
             if e.span.overlaps(written) and e.tensor._version == e.version
         ]
+
+    def swapped(self) -> List[Saved]:
+        """The saved parameters whose memory is no longer what autograd saved (``.data =`` or
+        ``set_`` swapped it since), each once; reported once."""
+        found, kept = [], []
+        for e in self._params:
+            s = span(e.tensor)
+            (found if s is not None and s.storage != e.span.storage else kept).append(e)
+        self._params = kept
+        return found
 
 
 def overwritten(entries: Iterable[Saved]) -> List[Saved]:
