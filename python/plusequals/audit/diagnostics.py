@@ -334,10 +334,12 @@ def render(
     file: Optional[TextIO] = None,
     color: Optional[bool] = None,
     not_audited: Mapping[str, int] = {},
+    notes: Sequence[str] = (),
 ) -> str:
     """Prints the diagnostics of ``calls`` and the summary line to ``file`` (rich: colour only
     on a terminal, unless ``color`` says); with no ``file``, returns the text (80 columns).
-    ``not_audited``: the calls that ran unaudited, by why (the summary line names them)."""
+    ``not_audited``: the calls that ran unaudited, by why (the summary line names them);
+    ``notes``: printed as notes before it (the worker processes whose calls were merged)."""
     buffer = io.StringIO() if file is None else None
     console = Console(
         file=buffer or file,
@@ -350,7 +352,7 @@ def render(
     diagnostics = build(calls, unused, moves)
     for d in diagnostics:
         _print(console, d)
-    for why, n in not_audited.items():
-        console.print(Text("note", "bold green") + Text(f": {not_audited_text({why: n})}"))
+    for text in [*notes, *(not_audited_text({why: n}) for why, n in not_audited.items())]:
+        console.print(Text("note", "bold green") + Text(f": {text}"))
     console.print(summary_line(diagnostics, sum(1 for root, _ in calls if root is not None), not_audited))
     return buffer.getvalue() if buffer is not None else ""

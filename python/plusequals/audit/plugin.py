@@ -42,11 +42,11 @@ def _report(item: pytest.Item, scope: AuditScope, fail: bool) -> None:
     calls = [(c.module, c.report) for c in scope.calls]
     diagnostics = build(calls, unused)
     if not diagnostics:
-        skipped = not_audited_text(scope.not_audited)
-        if skipped:  # calls the audit stepped aside for (a tracer): said, never silently dropped
-            item.add_report_section("call", SECTION, f"note: {skipped}\n")
+        said = [*scope.notes(), not_audited_text(scope.not_audited)]
+        if any(said):  # calls in workers, calls the audit stepped aside for: said, never dropped
+            item.add_report_section("call", SECTION, "".join(f"note: {s}\n" for s in said if s))
         return
-    text = render(calls, unused, color=False, not_audited=scope.not_audited)
+    text = render(calls, unused, color=False, not_audited=scope.not_audited, notes=scope.notes())
     if fail and any(d.level == "error" for d in diagnostics):
         pytest.fail("plusequals audit: the test's module calls broke rustc's rules\n\n" + text, pytrace=False)
     item.add_report_section("call", SECTION, text)

@@ -13,17 +13,19 @@ also runs a backward from the outputs that need grad, keeping the graph and accu
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import _engine_run_backward
 
 from .allow import Allows, source_files
+from .children import Children, dump
 from .frames import MoveTracer, holders, location, user_frame
 from .memory import Span, span, tensors
 from .mode import PythonCalls, Recorder, WriteWatch
@@ -31,7 +33,7 @@ from .modules import Arg, ModuleWatch, arguments
 from .report import AuditReport, Finding
 from .saved import SavedTensors, reachable
 
-__all__ = ["AuditScope", "AuditedCall", "CallAudit", "backward_from", "describe", "roots", "tracer"]
+__all__ = ["AuditScope", "AuditedCall", "CallAudit", "backward_from", "child", "describe", "roots", "tracer"]
 
 
 def describe(e: BaseException) -> str:
@@ -126,6 +128,7 @@ class AuditedCall:
     module: str
     caller: str
     report: AuditReport
+    worker: Optional[str] = None  # fork or spawn: audited in a worker process, merged here
 
 
 def _version(t: Tensor) -> Optional[int]:
@@ -234,10 +237,14 @@ def unscoped() -> Iterator[None]:
 
 
 class AuditScope:
-    """Audits each outermost module call made in this thread while open (see the module doc)."""
+    """Audits each outermost module call made in this thread while open (see the module doc), and
+    with ``children`` those of the worker processes its program starts (:mod:`.children`)."""
 
-    def __init__(self, backward: bool = False) -> None:
+    def __init__(self, backward: bool = False, children: bool = True) -> None:
         self.backward = backward
+        self.children = Children(backward, self.as_child) if children else None
+        self.child: Optional[Tuple[str, str]] = None  # in a worker: (fork or spawn, its file)
+        self.workers: Dict[str, Set[int]] = {}  # the parent's: fork or spawn -> the pids merged
         self.calls: List[AuditedCall] = []
         self.allows = Allows()
         self.thread = threading.get_ident()
@@ -252,17 +259,49 @@ class AuditScope:
             raise RuntimeError("an audit scope is already open")
         _ACTIVE.append(self)
         nn.Module.__call__ = _audited_call  # type: ignore[method-assign]
+        if self.children is not None:
+            self.children.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.reads.stop()
         nn.Module.__call__ = _ORIGINAL_CALL  # type: ignore[method-assign]
         _ACTIVE.remove(self)
+        if self.children is not None and self.child is None:
+            self.children.__exit__(*exc)
+            self._merge(self.children.collect())
+
+    def as_child(self, kind: str, directory: str) -> None:
+        """This scope, in a worker process (``fork``: inherited; ``spawn``: opened there), audits
+        the worker's calls for the parent: each goes to the worker's own file in ``directory``."""
+        self.reads.stop()
+        self.calls, self.not_audited, self.busy = [], {}, False
+        self.reads, self.thread = CallerReads(), threading.get_ident()
+        self.child = (kind, os.path.join(directory, f"{os.getpid()}.jsonl"))
+
+    def _merge(self, records: List[Dict[str, Any]]) -> None:
+        for r in records:
+            self.workers.setdefault(r["kind"], set()).add(r["pid"])
+            self.allows.watch(r["files"])
+            if r["report"] is None:
+                self.not_audited[r["module"]] = self.not_audited.get(r["module"], 0) + 1
+            else:
+                self.calls.append(AuditedCall(r["module"], r["caller"], r["report"], r["kind"]))
+
+    def notes(self) -> List[str]:
+        """What the summary adds about the worker processes whose calls were merged."""
+        out = []
+        for kind, pids in self.workers.items():
+            n = sum(1 for c in self.calls if c.worker == kind)
+            out.append(f"{n} of these calls ran in {len(pids)} {kind}ed worker process{'es' * (len(pids) != 1)}")
+        return out
 
     def aside(self, why: str, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Runs an outermost call as it would run without the audit (nothing watches it, nor the
         calls it makes), counted in ``not_audited`` under ``why``."""
         self.not_audited[why] = self.not_audited.get(why, 0) + 1
+        if self.child is not None:
+            dump(self.child[1], self.child[0], why, "", None, [])
         self.busy = True
         try:
             return _ORIGINAL_CALL(module, *args, **kwargs)
@@ -291,6 +330,8 @@ class AuditScope:
             self.busy = False
             self.allows.watch(unit.files)
             self.calls.append(AuditedCall(_class_name(module), caller, unit.report))
+            if self.child is not None:
+                dump(self.child[1], self.child[0], _class_name(module), caller, unit.report, sorted(unit.files))
         self.reads.watch(frame, unit.report, [s for s, t, v in versions if _version(t) != v])
         return out
 
@@ -302,3 +343,11 @@ class AuditScope:
             self.allows.apply(c.report)
         self.unused_allows = self.allows.unused()
         return self.unused_allows
+
+
+def child(directory: str, backward: bool) -> None:
+    """The start of a spawned worker (:mod:`.children`): a scope that audits its calls for the
+    parent, open until the interpreter ends."""
+    scope = AuditScope(backward=backward, children=False)
+    scope.as_child("spawn", directory)
+    scope.__enter__()

@@ -18,7 +18,7 @@ import runpy
 import sys
 import traceback
 from types import TracebackType
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from ..audit.diagnostics import build, render
 from ..audit.sarif import to_json, to_sarif
@@ -115,15 +115,21 @@ def write(
     calls: List[Tuple[str, Any]],
     unused: List[Tuple[str, str]],
     status: int,
-    not_audited: Dict[str, int],
+    scope: AuditScope,
 ) -> None:
+    not_audited = scope.not_audited
     out = open(options.output, "w") if options.output else sys.stderr
     try:
         if options.format == "text":
             color = None if not options.output else False
-            render(calls, unused, options.moves, file=out, color=color, not_audited=not_audited)
+            render(calls, unused, options.moves, file=out, color=color, not_audited=not_audited, notes=scope.notes())
         elif options.format == "json":
-            found = to_json(calls, unused, options.moves, exit_status=status, not_audited=not_audited)
+            workers = {kind: {"processes": len(pids)} for kind, pids in scope.workers.items()}
+            for c in scope.calls:
+                if c.worker is not None:
+                    workers[c.worker]["calls"] = workers[c.worker].get("calls", 0) + 1
+            extra = {"not_audited": not_audited, "workers": workers}
+            found = to_json(calls, unused, options.moves, exit_status=status, **extra)
             out.write(json.dumps(found, indent=1) + "\n")
         else:
             out.write(json.dumps(to_sarif(calls, unused, not_audited, exitCode=status), indent=1) + "\n")
@@ -144,6 +150,6 @@ def main(argv: Sequence[str]) -> int:
     status = run_program(scope, program)
     unused = scope.finish(program_files(program))
     calls = [(c.module, c.report) for c in scope.calls]
-    write(options, calls, unused, status, scope.not_audited)
+    write(options, calls, unused, status, scope)
     errors = any(d.level == "error" for d in build(calls, unused))
     return status if status != 0 else (1 if errors else 0)
