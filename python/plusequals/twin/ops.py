@@ -269,7 +269,8 @@ def block_backward(
     need_weights: List[bool],
 ) -> List[Tensor]:
     """The gradients of ``block_forward`` for x, context and each weight (an empty tensor where
-    not asked for): the Rust forward again, on detached leaves, differentiated by libtorch."""
+    not asked for): the Rust forward again, on detached leaves, differentiated by libtorch.
+    x's gradient has ``grad``'s memory layout (:func:`_grad_x_like`), the others are contiguous."""
     config = BlockConfig(dim, n_heads, d_head, context_dim, gated_ff, attention, language)
     needs = [need_x, need_context and context is not None, *need_weights]
     with _autograd_on():
@@ -282,13 +283,31 @@ def block_backward(
         leaves = [t for t, n in zip([xl, cl, *wl], needs) if n]
         found = iter(torch.autograd.grad(y, leaves, grad, allow_unused=True) if leaves else ())
     out = []
-    for t, n in zip([x, context, *weights], needs):
-        if n:
-            g = next(found)
-            out.append((torch.zeros_like(t) if g is None else g).contiguous())
-        else:
+    for i, (t, n) in enumerate(zip([x, context, *weights], needs)):
+        if not n:
             out.append(x.new_empty(0))
+            continue
+        g = next(found)
+        if i == 0:
+            out.append(_grad_x_like(grad, x.dtype, g))
+        else:
+            out.append((torch.zeros_like(t) if g is None else g).contiguous())
     return out
+
+
+def _grad_x_like(grad: Tensor, dtype: torch.dtype, g: Optional[Tensor]) -> Tensor:
+    """x's gradient laid out as ``grad`` (``empty_like``'s preserve_format), as the eager
+    RustBlock's gradient is: the residual adds carry the incoming gradient's layout through.
+    A contiguous copy instead changes the strides the ops before the block see in a compiled
+    backward, and kernels that reduce in memory order add in another order: in a diffusers
+    UNet, Transformer2DModel's ``permute(0, 2, 3, 1)`` after ``proj_in`` (a 1x1 conv) turns it
+    into a channels-last gradient, and with one thread libtorch runs a 1x1 conv with batch < 16
+    in THNN, whose bias gradient sums the gradient in memory order (docs/guide/building.md).
+    ``g=None`` (x unused): zeros. The fake implementation returns ``empty_like(grad)`` too."""
+    out = torch.empty_like(grad, dtype=dtype)
+    if g is None:
+        return out.zero_()
+    return g if g.stride() == out.stride() and g.data_ptr() != grad.data_ptr() else out.copy_(g)
 
 
 @block_backward.register_fake
@@ -310,7 +329,10 @@ def _block_backward_fake(
     need_weights,
 ):
     needs = [need_x, need_context and context is not None, *need_weights]
-    return [t.new_empty(t.shape) if n else x.new_empty(0) for t, n in zip([x, context, *weights], needs)]
+    out = [t.new_empty(t.shape) if n else x.new_empty(0) for t, n in zip([x, context, *weights], needs)]
+    if need_x:
+        out[0] = torch.empty_like(grad, dtype=x.dtype)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
