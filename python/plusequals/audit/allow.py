@@ -17,7 +17,7 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Set, Tuple
 
 import torch
 
-from .sites import relative, resolve
+from .sites import entry, is_library, relative, resolve
 
 __all__ = ["Allows", "allows_in", "source_files"]
 
@@ -71,14 +71,18 @@ class Allows:
         self.files.update(files)
 
     def silences(self, finding: Any) -> bool:
-        site = resolve(finding.where)
-        if site is None or not os.path.isabs(site.file) or site.file.startswith(_TORCH):
-            return False
-        self.files.add(site.file)  # an allow elsewhere in a file that wrote can be unused
-        if finding.code not in allows_in(site.file).get(site.line, ()):
-            return False
-        self.used.add((site.file, site.line, finding.code))
-        return True
+        """Whether an allow on the writing line, or (for a write in a library) on the user's
+        line that called into the library, names the finding's code."""
+        for where in (finding.where, entry(finding.where)):
+            site = resolve(where)
+            if site is None or not os.path.isabs(site.file) or site.file.startswith(_TORCH):
+                continue
+            if not is_library(site.file):
+                self.files.add(site.file)  # an allow elsewhere in a file that wrote can be unused
+            if finding.code in allows_in(site.file).get(site.line, ()):
+                self.used.add((site.file, site.line, finding.code))
+                return True
+        return False
 
     def apply(self, report: Any) -> None:
         """Moves the silenced findings of ``report`` from ``findings`` to ``allowed``."""

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import urllib.parse
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from .diagnostics import RUST_HELP, TITLES, Diagnostic, build, not_audited_text
 from .report import CODES
-from .sites import relative
+from .sites import entry, is_library, resolve
 
 __all__ = ["to_json", "to_sarif"]
 
@@ -92,21 +93,47 @@ def to_json(
     }
 
 
-def _uri(site: Any) -> Dict[str, str]:
-    """Relative to the working directory (``SRCROOT``) when the file is under it, else absolute."""
-    path = relative(site.file) if os.path.isabs(site.file) else site.path
-    if os.path.isabs(path):
-        return {"uri": "file://" + urllib.parse.quote(path)}
-    return {"uri": urllib.parse.quote(path.replace(os.sep, "/")), "uriBaseId": "SRCROOT"}
+SRCROOT = "%SRCROOT%"
 
 
-def _location(site: Any, message: Optional[str] = None, ident: Optional[int] = None) -> Dict[str, Any]:
-    region: Dict[str, Any] = {"startLine": site.line}
-    if site.column:
-        region["startColumn"] = site.column
-        if site.end_column and site.end_column > site.column:
-            region["endColumn"] = site.end_column
-    out: Dict[str, Any] = {"physicalLocation": {"artifactLocation": _uri(site), "region": region}}
+def repository_root(start: Optional[str] = None) -> str:
+    """The root that SARIF's URIs are relative to: the git work tree holding ``start`` (the
+    working directory), else ``start`` itself."""
+    start = os.path.abspath(start or os.getcwd())
+    try:
+        found = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel"], cwd=start, capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return start
+    top = found.stdout.strip()
+    return os.path.abspath(top) if found.returncode == 0 and top else start
+
+
+def _uri(site: Any, root: str) -> Optional[Dict[str, str]]:
+    """Relative to ``root`` (``%SRCROOT%``); None for a file outside it or in a library (never an
+    absolute ``file://`` URI: code scanning shows only the repository's files)."""
+    file = os.path.abspath(site.file if os.path.isabs(site.file) else os.path.join(os.getcwd(), site.path))
+    if is_library(file) or not file.startswith(root.rstrip(os.sep) + os.sep):
+        return None
+    path = os.path.relpath(file, root)
+    return {"uri": urllib.parse.quote(path.replace(os.sep, "/")), "uriBaseId": SRCROOT}
+
+
+def _location(site: Any, root: str, message: Optional[str] = None, ident: Optional[int] = None) -> Dict[str, Any]:
+    """A location in the repository; for a file outside it (a library), the message alone, which
+    names the file and line."""
+    out: Dict[str, Any] = {}
+    uri = _uri(site, root)
+    if uri is not None:
+        region: Dict[str, Any] = {"startLine": site.line}
+        if site.column:
+            region["startColumn"] = site.column
+            if site.end_column and site.end_column > site.column:
+                region["endColumn"] = site.end_column
+        out["physicalLocation"] = {"artifactLocation": uri, "region": region}
+    elif message is not None:
+        message = f"{message} ({site.path}:{site.line})"
     if message is not None:
         out["message"] = {"text": message}
     if ident is not None:
@@ -138,13 +165,21 @@ def _rules() -> List[Dict[str, Any]]:
     return rules
 
 
-def _result(d: Diagnostic, index: Dict[str, int]) -> Dict[str, Any]:
+def _result(d: Diagnostic, index: Dict[str, int], root: str) -> Dict[str, Any]:
     rule = d.code if d.code.startswith("E") else _UNUSED_ALLOW
     message = f"{d.title}: {d.label}" + (f". help: {d.help}" if d.help else "")
     result: Dict[str, Any] = {"ruleId": rule, "ruleIndex": index[rule], "level": d.level, "message": {"text": message}}
-    if d.site is not None:
-        result["locations"] = [_location(d.site)]
-    related = [_location(s, text, i) for i, (text, s) in enumerate(d.notes) if s is not None]
+    related = [_location(s, root, text, i) for i, (text, s) in enumerate(d.notes) if s is not None]
+    site = d.site
+    called = resolve(entry(d.finding.where)) if site is not None and d.finding is not None else None
+    if site is not None and called is not None and _uri(site, root) is None:
+        # a write inside a library: at the user's line that called into it, the library's line
+        # named beside it
+        where = f"the write, in the library: {site.path}:{site.line}"
+        related.append({"id": max((r["id"] for r in related), default=-1) + 1, "message": {"text": where}})
+        site = called
+    if site is not None:
+        result["locations"] = [_location(site, root)]
     if related:
         result["relatedLocations"] = related
     if d.count > 1:
@@ -156,16 +191,19 @@ def to_sarif(
     calls: Sequence[Tuple[str, Any]],
     unused: Iterable[Tuple[str, str]] = (),
     not_audited: Mapping[str, int] = {},
+    root: Optional[str] = None,
     **invocation: Any,
 ) -> Dict[str, Any]:
     """A SARIF 2.1.0 log: one run, the rules E0596/E0382/E0502/E0499 (and unused allows), a result for
-    each finding and warning; locations are relative to the working directory (``SRCROOT``)."""
+    each finding and warning; locations are relative to ``root`` (``%SRCROOT%``: by default the
+    git work tree of the working directory, else the working directory)."""
     rules = _rules()
     index = {r["id"]: i for i, r in enumerate(rules)}
-    results = [_result(d, index) for d in build(calls, unused) if d.level in ("error", "warning")]
+    root = os.path.abspath(root) if root else repository_root()
+    results = [_result(d, index, root) for d in build(calls, unused) if d.level in ("error", "warning")]
     run: Dict[str, Any] = {
         "tool": {"driver": {"name": "plusequals", "version": _version(), "rules": rules}},
-        "originalUriBaseIds": {"SRCROOT": {"uri": "file://" + urllib.parse.quote(os.getcwd().rstrip("/") + "/")}},
+        "originalUriBaseIds": {SRCROOT: {"uri": "file://" + urllib.parse.quote(root.rstrip("/") + "/")}},
         "results": results,
     }
     skipped = not_audited_text(not_audited)

@@ -10,15 +10,46 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 from types import CodeType, FrameType
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from . import frames
 
-__all__ = ["Site", "resolve", "write_site"]
+__all__ = ["Site", "entry", "is_library", "resolve", "write_site"]
 
 # where -> (column, end column), 1-based, end exclusive: from the frame's co_positions at the write
 _COLUMNS: Dict[str, Tuple[int, int]] = {}
+# where (a line in a library) -> the innermost frame outside libraries that called into it
+_ENTRIES: Dict[str, str] = {}
+_LIBRARIES = tuple(
+    {os.path.abspath(p) + os.sep for p in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"])}
+)
+
+
+def is_library(file: str) -> bool:
+    """Whether ``file`` is an installed library's (``site-packages``, ``dist-packages``, the
+    standard library): not the user's own code, wherever the environment lives."""
+    parts = file.replace("\\", "/").split("/")
+    return "site-packages" in parts or "dist-packages" in parts or os.path.abspath(file).startswith(_LIBRARIES)
+
+
+def entry(where: Optional[str]) -> Optional[str]:
+    """For a write in a library, ``path:line`` of the user's own frame that called into it."""
+    return _ENTRIES.get(where) if where else None
+
+
+def _note_entry(where: str, frame: FrameType) -> None:
+    if where in _ENTRIES or not is_library(frame.f_code.co_filename):
+        return
+    caller: Optional[FrameType] = frame.f_back
+    while caller is not None and (is_library(caller.f_code.co_filename) or not frames.is_user(caller)):
+        caller = caller.f_back
+    if caller is not None:
+        _ENTRIES[where] = frames.location(caller)
+        span = _positions(caller)
+        if span is not None:
+            _COLUMNS.setdefault(_ENTRIES[where], span)
 
 
 _CODE_POSITIONS: Dict[CodeType, List[Tuple[Any, ...]]] = {}
@@ -72,6 +103,8 @@ def write_site(frame: FrameType, modules: Any) -> str:
     span = _positions(found) if found is not None else None
     if span is not None:
         _COLUMNS[where] = span
+    if found is not None:
+        _note_entry(where, found)
     return where
 
 

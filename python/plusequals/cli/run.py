@@ -24,7 +24,7 @@ from ..audit.diagnostics import build, render
 from ..audit.sarif import to_json, to_sarif
 from ..audit.scope import AuditScope
 
-_VALUED = ("--format", "--output", "-o")
+_VALUED = ("--format", "--output", "-o", "--root")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["text", "json", "sarif"], default="text", help="default: text (rustc's)")
     p.add_argument("--output", "-o", metavar="FILE", help="write the audit's output here (default: stderr)")
     p.add_argument("--moves", action="store_true", help="also list the moves (writes into temporaries)")
+    p.add_argument(
+        "--root", metavar="DIR", help="SARIF: URIs relative to DIR (default: the git work tree, else the cwd)"
+    )
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module as python -m MODULE does")
     return p
 
@@ -132,7 +135,8 @@ def write(
             found = to_json(calls, unused, options.moves, exit_status=status, **extra)
             out.write(json.dumps(found, indent=1) + "\n")
         else:
-            out.write(json.dumps(to_sarif(calls, unused, not_audited, exitCode=status), indent=1) + "\n")
+            log = to_sarif(calls, unused, not_audited, root=options.root, exitCode=status)
+            out.write(json.dumps(log, indent=1) + "\n")
     finally:
         if options.output:
             out.close()
