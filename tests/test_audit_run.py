@@ -131,7 +131,7 @@ def test_a_program_that_raises_is_reported_with_its_findings_so_far(tmp_path, ca
     assert status == 1
     assert "Traceback" in err and 'raise RuntimeError("boom")' in err and "runpy" not in err
     report = json.loads(err[err.index("{") :])
-    assert report["exit_status"] == 1
+    assert report["program_exit_status"] == report["audit_exit_status"] == 1
     assert {f["code"] for f in report["findings"]} == {"E0596", "E0382", "E0502"}
     assert all(f["count"] == 2 and f["path"] == "boom.py" for f in report["findings"])
 
@@ -237,7 +237,7 @@ def test_a_move_is_no_finding_and_moves_lists_it_with_its_writer(tmp_path, capsy
     assert "note: `Block.relu` moved its argument (nn.ReLU(inplace=True))\n  --> cnn.py:12:15\n" in listed
     assert "aten.relu_.default: a write into a temporary nothing else holds" in listed
     assert "seen 2 times" in listed and "error" not in listed.replace("no errors", "")
-    assert report["findings"] == [] and report["exit_status"] == 0
+    assert report["findings"] == [] and report["program_exit_status"] == report["audit_exit_status"] == 0
     assert report["moves"] == [
         {
             "module": "relu",
@@ -380,3 +380,60 @@ def test_a_read_at_the_programs_level_after_the_outermost_call_wrote_is_E0382(tm
     assert [(f["code"], f["count"]) for f in found] == [("E0596", 2), ("E0382", 2)]
     assert found[1]["read_at"] == "skip.py:21" and "`h` is read" in found[1]["message"]
     assert [f["code"] for f in alone] == ["E0596"]
+
+
+def test_audit_with_a_script_hints_at_run_and_help_leads_with_run(capsys):
+    from plusequals.cli import main
+
+    assert main(["audit", "train.py", "--epochs", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "error: unrecognized arguments: train.py --epochs 3" in err
+    assert err.rstrip().endswith("hint: to audit your program, run: python -m plusequals audit run train.py --epochs 3")
+    with pytest.raises(SystemExit):
+        main(["audit", "--help"])
+    help_text = capsys.readouterr().out
+    assert help_text.startswith("usage: python -m plusequals audit run [options] (SCRIPT | -m MODULE) [ARGS...]\n")
+    assert help_text.split("\n\n")[1].startswith("python -m plusequals audit run [options] SCRIPT")
+
+
+def test_json_and_sarif_name_the_programs_exit_status_and_the_audits(tmp_path, capsys):
+    """The program exits 0 and the audit 1 (it found errors); the clean program's own 3 is both."""
+    write(tmp_path, "model.py", MODEL)
+    write(tmp_path, "clean.py", CLEAN)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        assert audit_run(["--format", "json", "model.py"]) == 1
+        found = json.loads(capsys.readouterr().err)
+        assert audit_run(["--format", "sarif", "model.py"]) == 1
+        (invocation,) = json.loads(capsys.readouterr().err)["runs"][0]["invocations"]
+        assert audit_run(["--format", "json", "clean.py", "3"]) == 3
+        clean = json.loads(capsys.readouterr().err)
+    assert (found["program_exit_status"], found["audit_exit_status"]) == (0, 1) and "exit_status" not in found
+    assert invocation["exitCode"] == 1 and invocation["properties"] == {"programExitCode": 0}
+    assert (clean["program_exit_status"], clean["audit_exit_status"]) == (3, 3)
+
+
+TRANSFORMS = """\
+import torch
+from torch import nn
+from torchvision.transforms import v2
+
+transform = v2.Compose([v2.ToDtype(torch.float32), v2.Normalize([0.5], [0.25])])
+samples = torch.stack([transform(torch.full((1, 2, 2), float(i))) for i in range(4)])
+print(nn.Linear(2, 2)(samples).shape)
+"""
+
+
+def test_per_sample_torchvision_transforms_are_counted_apart_from_model_calls(tmp_path, capsys):
+    pytest.importorskip("torchvision.transforms.v2", reason="torchvision's v2 transforms are nn.Modules")
+    write(tmp_path, "data.py", TRANSFORMS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        assert audit_run(["data.py"]) == 0
+        err = capsys.readouterr().err
+        assert audit_run(["--format", "json", "data.py"]) == 0
+        found = json.loads(capsys.readouterr().err)
+    assert err == (
+        "note: of these calls, 4 were torchvision transforms (per sample), 1 model call\nno errors in 5 audited calls\n"
+    )
+    assert found["transform_calls"] == 4 and found["watched"]["calls"] == 5

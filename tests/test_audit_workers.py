@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from plusequals.audit.children import dump, load
 from plusequals.audit.report import AuditReport, Finding
+from plusequals.audit.scope import AuditedCall
 
 pytest_plugins = ["pytester"]
 PYTHONPATH = str(Path(__file__).resolve().parents[1] / "python")
@@ -156,18 +157,20 @@ def test_a_workers_line_reads_back_as_it_was_written_and_a_cut_line_is_skipped(
 ):
     path = tmp_path_factory.mktemp("worker") / "1.jsonl"
     report = AuditReport(findings=findings, moves=moves, ops=ops, error=error, unused_allows=[("a.py:1", "E0596")])
-    dump(str(path), "fork", "Net", "a.py:3", report, ["/x/a.py"])
-    dump(str(path), "fork", "under a tracer (torch.jit.trace)", "", None, [])
+    dump(str(path), "fork", AuditedCall("Net", "a.py:3", report, transform=True), ["/x/a.py"])
+    dump(str(path), "fork", AuditedCall("under a tracer (torch.jit.trace)", "", None), [])  # type: ignore[arg-type]
     first, second = path.read_text().splitlines()
     back = load(first)
     assert back is not None and back["report"] == report
     assert (back["kind"], back["module"], back["caller"], back["files"]) == ("fork", "Net", "a.py:3", ["/x/a.py"])
+    assert back["transform"] is True
     assert load(second) == {
         "kind": "fork",
         "pid": os.getpid(),
         "module": "under a tracer (torch.jit.trace)",
         "caller": "",
         "files": [],
+        "transform": False,
         "report": None,
     }
     assert load(first[: min(cut, len(first) - 1)]) is None  # a worker killed while writing

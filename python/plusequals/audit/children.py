@@ -47,12 +47,14 @@ child({dir!r}, {backward!r})
 """
 
 
-def dump(path: str, kind: str, module: str, caller: str, report: Optional[AuditReport], files: List[str]) -> None:
-    """Appends one call of a child to its file, as one JSON line (written whole): an audited
-    call's report, or with no report a call not audited (``module`` says why)."""
-    record = {"kind": kind, "pid": os.getpid(), "module": module, "caller": caller, "files": files}
-    if report is not None:
-        record |= dataclasses.asdict(report)
+def dump(path: str, kind: str, call: Any, files: List[str]) -> None:
+    """Appends one call of a child (a ``scope.AuditedCall``) to its file, as one JSON line
+    (written whole): an audited call's report, or with no report a call not audited (its
+    ``module`` says why)."""
+    record = {"kind": kind, "pid": os.getpid(), "module": call.module, "caller": call.caller, "files": files}
+    record["transform"] = call.transform
+    if call.report is not None:
+        record |= dataclasses.asdict(call.report)
     try:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -68,7 +70,7 @@ def load(line: str) -> Optional[Dict[str, Any]]:
         record = json.loads(line)
     except json.JSONDecodeError:
         return None
-    keys = ("kind", "pid", "module", "caller", "files")
+    keys = ("kind", "pid", "module", "caller", "files", "transform")
     if "findings" not in record:
         return {**{k: record[k] for k in keys}, "report": None}
     fields = {f.name for f in dataclasses.fields(AuditReport)}

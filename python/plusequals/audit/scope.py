@@ -129,6 +129,7 @@ class AuditedCall:
     caller: str
     report: AuditReport
     worker: Optional[str] = None  # fork or spawn: audited in a worker process, merged here
+    transform: bool = False  # a torchvision transform's call (per sample), not a model's
 
 
 def _version(t: Tensor) -> Optional[int]:
@@ -286,11 +287,16 @@ class AuditScope:
             if r["report"] is None:
                 self.not_audited[r["module"]] = self.not_audited.get(r["module"], 0) + 1
             else:
-                self.calls.append(AuditedCall(r["module"], r["caller"], r["report"], r["kind"]))
+                self.calls.append(AuditedCall(r["module"], r["caller"], r["report"], r["kind"], r["transform"]))
 
     def notes(self) -> List[str]:
         """What the summary adds about the worker processes whose calls were merged."""
         out = []
+        transforms = sum(c.transform for c in self.calls)
+        if transforms:
+            models = len(self.calls) - transforms
+            were = f"{transforms} were torchvision transforms" if transforms != 1 else "1 was a torchvision transform"
+            out.append(f"of these calls, {were} (per sample), {models} model call{'s' * (models != 1)}")
         for kind, pids in self.workers.items():
             n = sum(1 for c in self.calls if c.worker == kind)
             out.append(f"{n} of these calls ran in {len(pids)} {kind}ed worker process{'es' * (len(pids) != 1)}")
@@ -301,7 +307,7 @@ class AuditScope:
         calls it makes), counted in ``not_audited`` under ``why``."""
         self.not_audited[why] = self.not_audited.get(why, 0) + 1
         if self.child is not None:
-            dump(self.child[1], self.child[0], why, "", None, [])
+            dump(self.child[1], self.child[0], AuditedCall(why, "", None), [])  # type: ignore[arg-type]
         self.busy = True
         try:
             return _ORIGINAL_CALL(module, *args, **kwargs)
@@ -329,9 +335,10 @@ class AuditScope:
         finally:
             self.busy = False
             self.allows.watch(unit.files)
-            self.calls.append(AuditedCall(_class_name(module), caller, unit.report))
+            transform = type(module).__module__.startswith("torchvision.transforms")
+            self.calls.append(AuditedCall(_class_name(module), caller, unit.report, transform=transform))
             if self.child is not None:
-                dump(self.child[1], self.child[0], _class_name(module), caller, unit.report, sorted(unit.files))
+                dump(self.child[1], self.child[0], self.calls[-1], sorted(unit.files))
         self.reads.watch(frame, unit.report, [s for s, t, v in versions if _version(t) != v])
         return out
 

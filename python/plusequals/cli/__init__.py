@@ -6,14 +6,20 @@ import argparse
 import sys
 from typing import Any
 
+_AUDIT_USAGE = (
+    "python -m plusequals audit run [options] (SCRIPT | -m MODULE) [ARGS...]\n"
+    "       python -m plusequals audit [--models] [--markdown] [--json]"
+)
+
 
 def _add_audit(sub: Any) -> None:
     audit = sub.add_parser(
         "audit",
-        help="the borrow checker's verdicts on the project's PyTorch code (plusequals.audit); "
-        "'audit run SCRIPT' on yours",
-        epilog="python -m plusequals audit run [options] SCRIPT [ARGS...] (or -m MODULE) audits your program: "
-        "see audit run --help.",
+        usage=_AUDIT_USAGE,
+        help="'audit run SCRIPT': rustc's verdicts on your PyTorch program; 'audit': on the project's code",
+        description="python -m plusequals audit run [options] SCRIPT [ARGS...] (or -m MODULE) runs your program "
+        "and audits every outermost nn.Module call it makes: see audit run --help. Without run: the borrow "
+        "checker's verdicts on the project's own PyTorch code (plusequals.audit), with these options.",
     )
     audit.add_argument("--models", action="store_true", help="audit the real models, full size on the meta device")
     audit.add_argument(
@@ -22,12 +28,22 @@ def _add_audit(sub: Any) -> None:
     audit.add_argument("--json", action="store_true", help="the strategies' reports as JSON on stdout")
 
 
+def _hint_run(program: list[str]) -> int:
+    """``audit train.py``: argparse's error, and the command that audits the program."""
+    print(f"usage: {_AUDIT_USAGE}", file=sys.stderr)
+    print(f"python -m plusequals audit: error: unrecognized arguments: {' '.join(program)}", file=sys.stderr)
+    print(f"hint: to audit your program, run: python -m plusequals audit run {' '.join(program)}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["audit", "run"]:  # the program's own options follow: not for this parser
         from .run import main as audit_run
 
         return audit_run(argv[2:])
+    if argv[:1] == ["audit"] and len(argv) > 1 and not argv[1].startswith("-"):  # audit train.py
+        return _hint_run(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m plusequals",
         description="The += block in PyTorch, Rust and C++: its bugs live, the report, the audit.",

@@ -18,7 +18,7 @@ import runpy
 import sys
 import traceback
 from types import TracebackType
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..audit.diagnostics import build, render
 from ..audit.sarif import to_json, to_sarif
@@ -113,29 +113,38 @@ def program_files(program: List[str]) -> List[str]:
     return [spec.origin] if spec is not None and spec.origin else []
 
 
+def _watched(scope: AuditScope) -> Dict[str, Any]:
+    """What the JSON adds about the calls: those not audited, the workers', the transforms'."""
+    workers = {kind: {"processes": len(pids)} for kind, pids in scope.workers.items()}
+    for c in scope.calls:
+        if c.worker is not None:
+            workers[c.worker]["calls"] = workers[c.worker].get("calls", 0) + 1
+    transforms = sum(c.transform for c in scope.calls)
+    return {"not_audited": scope.not_audited, "workers": workers, "transform_calls": transforms}
+
+
 def write(
     options: argparse.Namespace,
     calls: List[Tuple[str, Any]],
     unused: List[Tuple[str, str]],
-    status: int,
+    statuses: Tuple[int, int],
     scope: AuditScope,
 ) -> None:
+    """The audit's output; ``statuses``: the program's exit status and the audit's own (what
+    ``audit run`` exits with)."""
     not_audited = scope.not_audited
+    program, tool = statuses
     out = open(options.output, "w") if options.output else sys.stderr
     try:
         if options.format == "text":
             color = None if not options.output else False
             render(calls, unused, options.moves, file=out, color=color, not_audited=not_audited, notes=scope.notes())
         elif options.format == "json":
-            workers = {kind: {"processes": len(pids)} for kind, pids in scope.workers.items()}
-            for c in scope.calls:
-                if c.worker is not None:
-                    workers[c.worker]["calls"] = workers[c.worker].get("calls", 0) + 1
-            extra = {"not_audited": not_audited, "workers": workers}
-            found = to_json(calls, unused, options.moves, exit_status=status, **extra)
-            out.write(json.dumps(found, indent=1) + "\n")
-        else:
-            log = to_sarif(calls, unused, not_audited, root=options.root, exitCode=status)
+            extra = {"program_exit_status": program, "audit_exit_status": tool, **_watched(scope)}
+            out.write(json.dumps(to_json(calls, unused, options.moves, **extra), indent=1) + "\n")
+        else:  # SARIF's exitCode is the tool's; the program's is a property of the invocation
+            invocation = {"exitCode": tool, "properties": {"programExitCode": program}}
+            log = to_sarif(calls, unused, not_audited, root=options.root, **invocation)
             out.write(json.dumps(log, indent=1) + "\n")
     finally:
         if options.output:
@@ -154,6 +163,7 @@ def main(argv: Sequence[str]) -> int:
     status = run_program(scope, program)
     unused = scope.finish(program_files(program))
     calls = [(c.module, c.report) for c in scope.calls]
-    write(options, calls, unused, status, scope)
     errors = any(d.level == "error" for d in build(calls, unused))
-    return status if status != 0 else (1 if errors else 0)
+    tool = status if status != 0 else (1 if errors else 0)
+    write(options, calls, unused, (status, tool), scope)
+    return tool
