@@ -20,7 +20,7 @@ from rich.table import Table
 
 from ..bench.analyse import INFORMATIONAL, on_target, verdict_items
 from ..bench.results import Results, fmt
-from .terminal import print_trimmed, say
+from .terminal import Phrases, fit_columns, print_trimmed, say
 
 SCHEMA = 1
 STATUS_STYLE = {"met": "green", "missed": "red", "not measurable here": "dim"}
@@ -61,20 +61,21 @@ def _md(text: str) -> str:
     return re.sub(r"`([^`]+)`", r"[cyan]\1[/]", escape(text))
 
 
-def _cell(c: dict) -> str:
-    """One comparison at one batch, on two lines: the paired medians' range over the shapes (a
-    single cell: its median [Q1, Q3]), then in how many cells the first is faster, slower, or
-    the same within noise."""
+def _cell(c: dict) -> list[list[str]]:
+    """One comparison at one batch, on two lines of phrases: the paired medians' range over the
+    shapes (a single cell: its median [Q1, Q3]), then in how many cells the first is faster,
+    slower, or the same within noise. A narrow column wraps a line between its phrases only
+    (:class:`~plusequals.cli.terminal.Phrases`)."""
     n = c["cells"]
     if n == 1:
         word = "[green]faster[/]" if c["faster"] else ("[red]slower[/]" if c["slower"] else "≈ within noise")
-        return f"{fmt(c['lo'])} [{fmt(c['q1'])}, {fmt(c['q3'])}]\n{word}"
+        return [[fmt(c["lo"]), f"[{fmt(c['q1'])}, {fmt(c['q3'])}]"], [word]]
     counts = [
         f"[green]faster {c['faster']}/{n}[/]" if c["faster"] else "",
         f"[red]slower {c['slower']}/{n}[/]" if c["slower"] else "",
         f"≈ {c['within_noise']}/{n}" if c["within_noise"] else "",
     ]
-    return f"{fmt(c['lo'])}–{fmt(c['hi'])}\n" + " ".join(x for x in counts if x)
+    return [[f"{fmt(c['lo'])}–{fmt(c['hi'])}"], [x for x in counts if x]]
 
 
 def _measured(g: dict) -> str:
@@ -112,15 +113,16 @@ def _compared(items: list[dict]) -> str:
     return prefix + ", ".join(n[len(prefix) :] for n in names) if names else ""
 
 
-def verdict_table(s: dict) -> tuple[Table, list[dict]]:
-    """The verdicts asked at every batch: one row per comparison, a column per batch. The ones
-    asked once (their answers are sentences) are returned to be printed on lines of their own."""
+def verdict_table(s: dict, console: Console) -> tuple[Table, list[dict]]:
+    """The verdicts asked at every batch: one row per comparison, a column per batch, fitted to
+    the console's width (:func:`~plusequals.cli.terminal.fit_columns`). The ones asked once
+    (their answers are sentences) are returned to be printed on lines of their own."""
     batches = s["batches"]
     asked: dict[str, list[dict]] = {}
     for v in s["verdicts"]:
         asked.setdefault(v["question"], []).append(v)
     t = Table(box=None, padding=(0, 1), pad_edge=False)
-    t.add_column("", min_width=30, max_width=30)
+    t.add_column("", width=30)
     for b in batches:
         t.add_column(f"batch {b}")
     once = []
@@ -130,7 +132,7 @@ def verdict_table(s: dict) -> tuple[Table, list[dict]]:
             continue
         t.add_row(f"[bold]{_md(question)}[/]", *[""] * len(batches))
         if items[0]["answer_only"]:
-            answers = {v["batch"]: _md(v["answer"]).replace("; ", "\n") for v in items}
+            answers = {v["batch"]: Phrases(*([p] for p in _md(v["answer"]).split("; "))) for v in items}
             t.add_row(Padding(escape(_compared(items)), (0, 0, 0, 2)), *[answers.get(b, "-") for b in batches])
             continue
         rows: dict[str, dict[int, dict]] = {}
@@ -138,7 +140,9 @@ def verdict_table(s: dict) -> tuple[Table, list[dict]]:
             for c in v["comparisons"]:
                 rows.setdefault(_label(c, s["reference"]), {})[v["batch"]] = c
         for label, at in rows.items():
-            t.add_row(Padding(escape(label), (0, 0, 0, 2)), *[_cell(at[b]) if b in at else "-" for b in batches])
+            cells = [Phrases(*_cell(at[b])) if b in at else "-" for b in batches]
+            t.add_row(Padding(escape(label), (0, 0, 0, 2)), *cells)
+    fit_columns(t, console, console.width)
     return t, once
 
 
@@ -163,7 +167,7 @@ def show(s: dict, console: Console) -> None:
         "over the shapes, then in how many cells it is faster or slower ([Q1, Q3] below or above 1) or ≈ (within "
         "noise)[/]",
     )
-    table, once = verdict_table(s)
+    table, once = verdict_table(s, console)
     print_trimmed(console, table)
     for v in once:
         say(console, f"[bold]{_md(v['question'])}[/]")
@@ -173,7 +177,7 @@ def show(s: dict, console: Console) -> None:
             for _ in range(3):
                 t.add_column(no_wrap=True)
             for c in v["comparisons"]:
-                t.add_row(f"  {escape(_label(c, s['reference']))}", *_cell(c).split("\n"))
+                t.add_row(f"  {escape(_label(c, s['reference']))}", *(" ".join(line) for line in _cell(c)))
             print_trimmed(console, t)
     console.print()
     targets = [
