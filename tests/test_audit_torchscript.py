@@ -19,7 +19,6 @@ from torch import nn
 
 import plusequals
 from plusequals.audit.frames import short_path
-from plusequals.audit.modules import ModuleWatch
 from plusequals.audit.scope import AuditScope
 
 pytest_plugins = ["pytester"]
@@ -153,16 +152,6 @@ def test_the_plugin_audits_scripted_calls(pytester, monkeypatch):
     result.stdout.fnmatch_lines(["*error[[]E0596[]]: `Scale` wrote into `x`*", "*--> test_scripted.py:22:5"])
 
 
-def _per_module_hooks() -> bool:
-    """Whether the module watch still puts hooks on each module (which a ScriptModule refuses)."""
-    watch, probe = ModuleWatch(stop=sys._getframe()), nn.Linear(1, 1)
-    watch.attach(probe)
-    try:
-        return bool(probe._forward_pre_hooks)
-    finally:
-        watch.detach()
-
-
 class Parent(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -173,12 +162,6 @@ class Parent(nn.Module):
         return self.out(self.inner(x))
 
 
-@pytest.mark.xfail(
-    _per_module_hooks(),
-    strict=True,
-    reason="audit/modules.py registers a forward pre-hook on every module of the audited model, "
-    "which a scripted submodule refuses; torch's global module hooks, which it is moving to, do not",
-)
 def test_a_scripted_submodule_of_an_eager_model():
     with torch.random.fork_rng():
         torch.manual_seed(0)

@@ -84,7 +84,7 @@ class CallAudit:
 
     def __init__(self, model: Any, args: tuple, kwargs: dict, stop: FrameType) -> None:
         self.modules = ModuleWatch(stop=stop)
-        if isinstance(model, nn.Module) and not isinstance(model, torch.jit.ScriptModule):
+        if isinstance(model, nn.Module):
             self.modules.attach(model)
         else:
             self.modules.push_root(model, args, kwargs)
