@@ -174,3 +174,35 @@ def test_a_workers_line_reads_back_as_it_was_written_and_a_cut_line_is_skipped(
         "report": None,
     }
     assert load(first[: min(cut, len(first) - 1)]) is None  # a worker killed while writing
+
+
+FORKSERVER = """\
+import multiprocessing as mp
+
+import torch
+from torch import nn
+
+
+def work(q):
+    q.put(nn.Linear(2, 2)(torch.ones(1, 2)).shape[1])
+
+
+if __name__ == "__main__":
+    ctx = mp.get_context("forkserver")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=work, args=(q,)) for _ in range(2)]
+    for p in ps:
+        p.start()
+    print(sorted(q.get() for _ in ps))
+    for p in ps:
+        p.join()
+"""
+
+
+def test_forkserver_workers_are_not_audited_and_the_summary_says_so(tmp_path):
+    (tmp_path / "server.py").write_text(FORKSERVER)
+    proc = _run(tmp_path, "-m", "plusequals", "audit", "run", "server.py")
+    assert proc.returncode == 0 and proc.stdout == "[2, 2]\n", proc.stderr
+    assert proc.stderr == (
+        "note: 2 forkserver worker processes not audited (their server runs unaudited)\nno errors in 0 audited calls\n"
+    )

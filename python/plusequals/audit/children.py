@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing.context
 import multiprocessing.spawn
 import os
 import shutil
@@ -89,6 +90,10 @@ class Children:
         self.dir = ""
         self.backward = backward
         self.on_fork = on_fork  # in a forked child: the inherited scope becomes the child's
+        # the processes a forkserver started: forked from a server that has no scope, so not
+        # audited; counted, never silently dropped
+        self.forkserver = 0
+        self._popen: Any = None
 
     def __enter__(self) -> "Children":
         global _FORK_HOOKED
@@ -98,10 +103,23 @@ class Children:
             _FORK_HOOKED = True
         _OPEN.append(self)
         multiprocessing.spawn.get_command_line = self._command_line  # type: ignore[assignment]
+        server = getattr(multiprocessing.context, "ForkServerProcess", None)
+        if server is not None:
+            self._popen = server.__dict__["_Popen"]
+            original = self._popen.__func__
+
+            def counted(process_obj: Any) -> Any:
+                self.forkserver += 1
+                return original(process_obj)
+
+            server._Popen = staticmethod(counted)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         multiprocessing.spawn.get_command_line = _ORIGINAL_COMMAND_LINE  # type: ignore[assignment]
+        if self._popen is not None:
+            multiprocessing.context.ForkServerProcess._Popen = self._popen  # type: ignore[attr-defined]
+            self._popen = None
         _OPEN.remove(self)
 
     def _command_line(self, **kwds: Any) -> List[str]:

@@ -297,6 +297,10 @@ class AuditScope:
             models = len(self.calls) - transforms
             were = f"{transforms} were torchvision transforms" if transforms != 1 else "1 was a torchvision transform"
             out.append(f"of these calls, {were} (per sample), {models} model call{'s' * (models != 1)}")
+        started = self.children.forkserver if self.children is not None else 0
+        if started:
+            processes = f"{started} forkserver worker process{'es' * (started != 1)}"
+            out.append(f"{processes} not audited (their server runs unaudited)")
         for kind, pids in self.workers.items():
             n = sum(1 for c in self.calls if c.worker == kind)
             out.append(f"{n} of these calls ran in {len(pids)} {kind}ed worker process{'es' * (len(pids) != 1)}")
