@@ -81,7 +81,6 @@ def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
     )
 
 

@@ -104,7 +104,7 @@ def test_audit_run_audits_scripted_calls_as_opaque_calls_and_leaves_the_output_a
 
     def run(*args: str) -> subprocess.CompletedProcess:
         command = [sys.executable, "-X", "faulthandler", *args]
-        return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
 
     plain = run("scripted.py")
     audited = run("-m", "plusequals", "audit", "run", "scripted.py")

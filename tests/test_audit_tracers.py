@@ -44,7 +44,6 @@ def _python(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
     )
 
 

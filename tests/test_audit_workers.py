@@ -61,7 +61,7 @@ if __name__ == "__main__":
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", "")}
     command = [sys.executable, "-X", "faulthandler", *args]
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
 
 
 def _plain() -> str:
