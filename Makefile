@@ -22,13 +22,14 @@ export CXX := $(abspath scripts/ccache-g++)
 export CCACHE_DIR ?= $(CACHE)/ccache
 REPORT_ARGS ?=
 
-.PHONY: help venv build-dev test check clean-cache test-python test-rust test-install wheel lint report demo clean pytest cargo-test lint-checks
+.PHONY: help venv build-dev test check clean-cache sweep test-python test-rust test-install wheel lint report demo clean pytest cargo-test lint-checks
 
 help:
 	@echo "make report   set up, build, run python -m plusequals report (REPORT_ARGS=...)"
 	@echo "make test     set up, build, run clippy, cargo test and pytest (parity, bugs, compile-fail, aliases)"
 	@echo "make check    set up, build, run pytest quickly (no slow tests, small hypothesis budgets)"
 	@echo "make demo     set up, build, run python -m plusequals demo"
+	@echo "make sweep    set up, build, rerun the audit's corpus and model sweep into docs/guide/audit.md"
 	@echo "make wheel    set up, build the abi3 wheel into dist/ (maturin build --release)"
 	@echo "make test-install  the wheel, then pip install of this repo, each into a fresh venv with torch"
 
@@ -106,6 +107,11 @@ report: build-dev
 
 demo: build-dev
 	$(PY) -m plusequals demo
+
+# The audit's corpus and false-positive sweep, rerun into docs/guide/audit.md's tables (make test
+# checks that the tables are current: tests/test_audit_corpus.py, tests/test_audit_sweep.py)
+sweep: build-dev
+	$(PY) scripts/audit_tables.py
 
 # ruff (pyproject.toml, width 120 as rustfmt) for Python; rustfmt and clippy for Rust: clippy.toml
 # forbids tch's write-through-& and panicking calls in this crate (scripts/gen_clippy_toml.py)
