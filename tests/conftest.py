@@ -43,6 +43,7 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = str(share)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """The tests that read the quick report run on one xdist worker (--dist loadgroup): a session
     fixture is made once per worker, and the report is the suite's longest fixture. The cuda
