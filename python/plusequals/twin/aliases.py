@@ -282,9 +282,10 @@ TABLE = [
         "a TorchFunctionMode active",
         "silent",
         "n/a",
-        "donation refused, naming the mode (`torch.device(...)` excepted); `forward` and `donate=False` through the "
-        "custom op, which the mode sees",
-        _TX,
+        "donation refused, naming the mode (`torch.device(...)` excepted); `forward` and `donate=False` run the "
+        "PyTorch block the twin follows, whose calls the mode sees and may change (refused, naming the mode, where "
+        "there is none: `from_state_dict`)",
+        _TX + ", `tests/test_never_stale.py`",
     ),
     Row(
         "a `__torch_dispatch__` subclass as `x` or `context` (`TwoTensor`)",
