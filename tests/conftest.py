@@ -1,6 +1,8 @@
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,15 +34,43 @@ def examples(n: int) -> int:
     return max(1, n * settings.default.max_examples // 100)
 
 
+QUICK_REPORT = [sys.executable, "-m", "plusequals", "report", "--quick", "--device", "cpu", "--json", "--out"]
+_STARTED = "PLUSEQUALS_TEST_QUICK_REPORT"  # where the controller's early quick report writes
+
+
 def pytest_configure(config):
     """Under pytest-xdist each worker holds libtorch to its share of the cores (OMP threads
     sharing a core wait at every op's barrier); a test that changes the count puts it back.
-    The children a test starts inherit the share through OMP_NUM_THREADS."""
+    The children a test starts inherit the share through OMP_NUM_THREADS. The controller starts
+    the quick report at once, beside the workers (it is the suite's longest chain: the report,
+    then the tests that read it); quick_report_run waits for it."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         share = max(1, (os.cpu_count() or 1) // workers)
         torch.set_num_threads(share)
         os.environ["OMP_NUM_THREADS"] = str(share)
+    elif config.getoption("numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER") and _whole(config):
+        out = Path(tempfile.mkdtemp(prefix="plusequals-quick-report-"))
+        script = '"$@" >stdout 2>stderr; echo $? >rc.part && mv rc.part rc'  # rc appears whole, once done
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a worker's share, as where it ran before
+        command = ["sh", "-c", script, "sh", *QUICK_REPORT, str(out / "report")]
+        config._quick_report = subprocess.Popen(command, cwd=out, env=env, start_new_session=True)
+        os.environ[_STARTED] = str(out)  # the workers, started after this hook, inherit it
+
+
+def _whole(config) -> bool:
+    """A run of the whole suite (no paths but tests/, no -k): one that reads the quick report."""
+    here = Path(__file__).resolve().parent
+    return not config.option.keyword and all(Path(a).resolve() == here for a in config.args)
+
+
+def pytest_unconfigure(config):
+    proc = getattr(config, "_quick_report", None)
+    if proc is not None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        proc.wait()
+        shutil.rmtree(os.environ.pop(_STARTED), ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
@@ -89,15 +119,29 @@ def rust(block):
 @pytest.fixture(scope="session")
 def quick_report_run(tmp_path_factory):
     """One `python -m plusequals report --quick --device cpu --json` for the whole session
-    (test_report.py, test_summary.py): its directory, stdout (the summary's JSON) and stderr."""
-    out = tmp_path_factory.mktemp("report")
-    proc = subprocess.run(
-        [sys.executable, "-m", "plusequals", "report", "--quick", "--device", "cpu", "--out", str(out), "--json"],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return SimpleNamespace(out=out, stdout=proc.stdout, stderr=proc.stderr)
+    (test_report.py, test_summary.py, test_inductor.py): its directory, stdout (the summary's
+    JSON) and stderr. Under xdist the controller started it (pytest_configure): wait for it."""
+    started = os.environ.get(_STARTED)
+    if started:
+        out = Path(started)
+        rc = wait_for_exit_status(out)
+        stdout, stderr = (out / "stdout").read_text(), (out / "stderr").read_text()
+        out = out / "report"
+    else:
+        out = tmp_path_factory.mktemp("report")
+        proc = subprocess.run([*QUICK_REPORT, str(out)], capture_output=True, text=True)
+        rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    assert rc == 0, stdout[-3000:] + stderr[-3000:]
+    return SimpleNamespace(out=out, stdout=stdout, stderr=stderr)
+
+
+def wait_for_exit_status(out: Path) -> int:
+    """The exit status of the controller's report, once it has ended (pytest-timeout bounds a hang)."""
+    import time
+
+    while not (out / "rc").exists():
+        time.sleep(0.5)
+    return int((out / "rc").read_text())
 
 
 @pytest.fixture(scope="session")
