@@ -1,7 +1,8 @@
 # plusequals: `make report` (set up + the benchmark report), `make test` (set up + every test).
 # Everything installs into .venv. The build caches live outside the clone, in CACHE, so that a
-# second clone on the same machine (CI's) starts warm: cargo's target dir, ccache's objects and
-# uv's wheels. `make clean-cache` removes them (docs/guide/building.md, "Caches").
+# second clone on the same machine (CI's) starts warm: cargo's target dir, ccache's objects and a
+# link to the venv (below); uv keeps its wheels in its own cache. `make clean-cache` removes CACHE
+# (docs/guide/building.md, "Caches").
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -40,7 +41,7 @@ PYTHON ?= python3
 export PYTHON
 
 # uv installs from its cache (~/.cache/uv, outside the clone): a fresh clone's venv takes seconds
-# once the machine has the wheels; pip (which keeps no cache here) only bootstraps uv itself.
+# once the machine has the wheels; pip only bootstraps uv itself.
 $(VENV)/.installed: pyproject.toml Makefile
 	@scripts/preflight.sh $(VENV)
 	@test -x $(PY) || scripts/step.sh "venv: $(PYTHON) -m venv $(VENV)" $(LOG) $(PYTHON) -m venv $(VENV)
