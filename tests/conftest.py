@@ -116,6 +116,17 @@ def rust(block):
     return RustBlock.from_torch(block)
 
 
+@pytest.fixture
+def swapping():
+    """torch.__future__'s swap_module_params_on_conversion on, put back as it was after."""
+    was = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(was)
+
+
 @pytest.fixture(scope="session")
 def quick_report_run(tmp_path_factory):
     """One `python -m plusequals report --quick --device cpu --json` for the whole session

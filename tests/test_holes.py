@@ -75,16 +75,6 @@ def test_a_dual_tensor_is_refused_for_donation_with_its_tangent_kept(made):
     assert rel_err(y, block(x, c)) <= TOL
 
 
-@pytest.fixture
-def swapping():
-    was = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        yield
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(was)
-
-
 def test_swap_module_params_on_conversion_works(made, swapping):
     """With parameters swapped on conversion (``torch.utils.swap_tensors``, which needs the
     parameter's only handle to be Python's), ``.double()`` and ``load_state_dict`` work on the

@@ -294,16 +294,6 @@ def test_a_swapped_unet_under_a_mode_is_the_librarys_under_it():
 # ------------------------------------------------------------------- swapped parameters
 
 
-@pytest.fixture
-def swapping():
-    was = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        yield
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(was)
-
-
 CONVERSIONS = {
     "double": lambda m, seed: m.double(),
     "float": lambda m, seed: m.float(),
