@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from types import FrameType
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -29,6 +29,7 @@ from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .exports import Export, Exports
 from .frames import (
     MoveTracer,
     call_names,
@@ -184,12 +185,43 @@ class WriteWatch(TorchDispatchMode):
         # then: autograd attaches their nodes once each op has returned through it (and may dispatch
         # ops of its own meanwhile), so they are read at the next write, module boundary or confirm
         self._pending: List[Tuple[Any, bool, Optional[Dict[int, Optional[Span]]]]] = []
+        # the tensors exported to NumPy or DLPack in the forward (see exports.py): their bytes are
+        # compared before each op while any is live; ``exported`` is that list, tested per op
+        self.exports = Exports(self._exported_write, modules.stop)
+        self.exported = self.exports.live
+        self.unversioned: List[Candidate] = []  # writes outside ATen into saved tensors
+        self._installed: List[bool] = []
         modules.boundary = self.boundary
         modules.mutated = self._mutated
+
+    def __enter__(self) -> "WriteWatch":
+        # the exports are watched in the forward only (in backward, ops reach the watch only
+        # from the Python code that backward runs)
+        forward = self.phase == "forward"
+        if forward:
+            self.exports.install()
+        self._installed.append(forward)
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._leave_exports()
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._leave_exports()
+
+    def _leave_exports(self) -> None:
+        if self._installed.pop():
+            self.exports.uninstall()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.ops += 1
+        if self.exported:  # a write through NumPy or DLPack since the last op is seen before this one
+            self.exports.check()
         found: Writes = WRITES.get(func) or writes_of(func)
         if found.positions:
             with torch._C.DisableTorchFunction():
@@ -198,6 +230,8 @@ class WriteWatch(TorchDispatchMode):
                     self.settle()
                     self._check(func, written, metadata_only)
         out = func(*args, **kwargs)
+        if self.exported:
+            self.exports.rebase()
         if torch.is_grad_enabled():
             # a parameter's memory as the op used it: its `.data` may be swapped before the
             # next settle (no op shows that), and autograd then saved other data than it computed with
@@ -208,12 +242,17 @@ class WriteWatch(TorchDispatchMode):
     def boundary(self) -> None:
         """A module call begins or ends: what autograd saved so far is settled, and the names
         moved by writes inside a call are traced from now on (their frames wait for it)."""
+        if self.exported:
+            self.exports.check()
         self.settle()
         self.tracer.arm()
 
     def forget(self) -> None:
         """Drops the outputs not settled yet (the audit keeps nothing alive once it returns)."""
         self._pending.clear()
+        self.exports.lines.stop()
+        self.exports.live.clear()
+        self.unversioned.clear()
 
     def settle(self) -> None:
         """Shows the saved tensors the autograd nodes of the ops since the last settle (all of
@@ -238,7 +277,7 @@ class WriteWatch(TorchDispatchMode):
             if s is None:
                 continue
             owner = self.modules.owner(s, t, metadata_only)
-            entries = [] if metadata_only else self.saved.saving(s)
+            entries = self.saved.saving(s)  # a metadata-only write (`unsqueeze_`) bumps the version too
             # a module's own parameter or buffer (BatchNorm's running statistics) is no second name
             own = owner is not None or metadata_only or self.phase != "forward" or self.modules.kept(s) is not None
             aliases = [] if own else self._aliases(t)
@@ -340,6 +379,41 @@ class WriteWatch(TorchDispatchMode):
         )
         self.recorder.add(self.recorder.next(), Finding("E0596", call.module, where, f"{kind}.{how}", message))
 
+    def _exported_write(self, e: Export, where: str) -> None:
+        """The bytes of a tensor exported to NumPy or DLPack changed outside ATen, at ``where``
+        (the exporting frame's line): judged as an aten write there would be (``E0596`` or a move
+        for a running call's argument, and the names that held it watched for ``E0382``), except
+        that a saved tensor so written is ``E0502`` whether or not a version moved (none did:
+        backward will not refuse it, and silently computes with the new values)."""
+        if self.phase != "forward":
+            return
+        self.settle()
+        seq, op = self.recorder.next(), f"{e.how}() {'capsule' if 'dlpack' in e.how else 'view'}"
+        owner = self.modules.owner(e.span, e.tensor, False)
+        if owner is not None:
+            self._moved(seq, op, where, e.span, *owner)
+        entries = self.saved.saving(e.span)
+        if entries:
+            module = self.modules.running(sys._getframe())
+            self.unversioned.append(Candidate(seq, module, where, op, self.phase, entries, self.modules.writer()))
+
+    def _unversioned(self, live: Optional[Set[Any]]) -> None:
+        """``E0502`` for each write outside ATen into a saved tensor whose node a backward from
+        the outputs would run (``live``; ``None``: any node)."""
+        for c in self.unversioned:
+            hit = [e for e in c.entries if live is None or e.node in live]
+            if hit:
+                e = hit[0]
+                saver = f" in `{e.module}`" if e.module else ""
+                others = f" (and {len(hit) - 1} more)" if len(hit) > 1 else ""
+                message = (
+                    f"wrote through a {c.op} outside ATen into the tensor that {type(e.node).__name__}{saver} "
+                    f"saved for backward ({e.attr.lstrip('_')}){others}: autograd borrowed it until backward, and "
+                    "no version counter moved: backward will not refuse it, and computes with the new values"
+                )
+                self.recorder.add(c.seq, Finding("E0502", c.module, c.where, c.op, message, writer=c.writer))
+        self.unversioned.clear()
+
     def _swapped(self, entries: List[Saved]) -> None:
         """``E0502`` for each parameter whose ``.data`` was swapped (``.data =``, ``set_``) after
         autograd saved it: backward will compute with other data than the forward did, and no
@@ -362,12 +436,14 @@ class WriteWatch(TorchDispatchMode):
         callable audited (not a module) is checked for the lists and dicts it mutated."""
         for call in [c for c in self.modules.stack if c.containers and c.caller is None]:
             self.modules.check_containers(call)
+        self.exports.finish()
         self.boundary()
         swapped = self.saved.swapped()
-        if not self.candidates and not swapped:
+        if not self.candidates and not swapped and not self.unversioned:
             return
         live = None if roots is None else reachable(roots)
         self._swapped([e for e in swapped if live is None or e.node in live])
+        self._unversioned(live)
         for c in self.candidates:
             hit = [e for e in overwritten(c.entries) if live is None or e.node in live]
             if hit:
