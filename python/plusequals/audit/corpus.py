@@ -1,12 +1,9 @@
-"""Real in-place and aliasing bugs from public issues and pull requests, each as a minimal module
-with the original's structure (written here, not copied), its fixed twin, and the source URL.
-
-Every :data:`CAUGHT` case must be found with its :attr:`Case.code` at the line its fix changed
-or at the read that broke (:attr:`Case.line`), and its fixed twin must give no finding
-(``tests/test_audit_corpus.py``). :data:`MISSED` would hold real bugs the audit does not catch.
-It lives in the package, next to :mod:`.cases`, so that the README's table
-(``scripts/audit_tables.py``) is made from the same cases the tests run; it imports only torch
-and the audit.
+"""Real in-place and aliasing bugs from public issues and pull requests, each a minimal module with
+the original's structure (written here, not copied), its fixed twin and its URL (the seven added
+for issue 41 are in :mod:`.corpus_more`). Each :data:`CAUGHT` case must be found with its code at
+the line its fix changed or at the read that broke (:attr:`Case.line`), its fixed twin silent
+(``tests/test_audit_corpus.py``); :data:`MISSED` would hold those missed. In the package, so that
+the guide's table (``scripts/audit_tables.py``) runs the tests' cases; it imports only torch.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import AuditReport, Finding, audit
+from . import corpus_more as more
 from .frames import short_path
 
 __all__ = ["CAUGHT", "MISSED", "Case", "Result", "expected_line", "markdown", "results", "run_case"]
@@ -464,11 +462,80 @@ CAUGHT: Tuple[Case, ...] = (
         "E0499",
         (ControlNetResiduals, "res += extra"),
     ),
+    Case(
+        "SOTR mask branch",
+        "https://github.com/easton-cau/SOTR/issues/19",
+        "`feature_add_all_level += ...` into the first level's ReLU output, which ReLU saved",
+        more.SotrMaskBranch,
+        _fpn_inputs,
+        True,
+        "E0502",
+        (more.SotrMaskBranch, "feature_add_all_level += mask_feat"),
+    ),
+    Case(
+        "mmdetection PAFPN bottom-up path",
+        "https://github.com/open-mmlab/mmdetection/pull/9450",
+        "`inter_outs[i + 1] += downsample(inter_outs[i])` into a ConvModule's ReLU output",
+        more.Pafpn,
+        _fpn_inputs,
+        True,
+        "E0502",
+        (more.Pafpn, "inter_outs[i + 1] += self.downsample_convs[i]"),
+    ),
+    Case(
+        "torchvision make_grid",
+        "https://github.com/pytorch/vision/issues/217",
+        "`normalize=True` clamps and rescales the caller's images in place (fix: clone first)",
+        lambda fixed: more.make_grid_fixed if fixed else more.make_grid_inplace,
+        _img(2, 3, 4, 4),
+        False,
+        "E0596",
+        (more.make_grid_inplace, "tensor.clamp_(min=low, max=high)"),
+    ),
+    Case(
+        "torchcrepe threshold.At",
+        "https://github.com/maxrmorrison/torchcrepe/issues/9",
+        "`pitch[periodicity < value] = nan` masks the caller's pitch tensor (fix: clone first)",
+        more.ThresholdAt,
+        lambda g: ((torch.rand(2, 8, generator=g) * 400, torch.rand(2, 8, generator=g)), {}),
+        False,
+        "E0596",
+        (more.ThresholdAt, "pitch[periodicity < self.value] ="),
+    ),
+    Case(
+        "imgclsmob Xception unit",
+        "https://github.com/osmr/imgclsmob/issues/13",
+        "the body's first `nn.ReLU(inplace=True)` overwrites the input the identity conv saved",
+        more.XceptionStage,
+        _img(2, 3, 8, 8),
+        True,
+        "E0502",
+        (more.XceptionUnit, "x = self.body(x)"),
+    ),
+    Case(
+        "zero-restore SKConv",
+        "https://github.com/aupendu/zero-restore/issues/7",
+        "`conv(x).unsqueeze_(dim=1)`: a metadata-only in-place op on a ReLU output ReLU saved",
+        more.SkConv,
+        _img(2, 1, 8, 8),
+        True,
+        "E0502",
+        (more.SkConv, "fea = conv(x).unsqueeze_(dim=1)"),
+    ),
+    Case(
+        "torchvision ops.MLP dropout",
+        "https://github.com/pytorch/vision/issues/7174",
+        "`nn.Dropout(inplace=True)` after `nn.ReLU(inplace=True)` overwrites what ReLU saved",
+        more.MlpHead,
+        lambda g: ((torch.rand(4, 3, generator=g),), {}),
+        True,
+        "E0502",
+        (more.MlpHead, "return self.mlp(x)"),
+    ),
 )
 
 
-# Real bugs the audit misses: none of those found (the two-names rule, E0499, catches the last one).
-MISSED: Tuple[Case, ...] = ()
+MISSED: Tuple[Case, ...] = ()  # real bugs the audit misses: none found (zero-restore's `unsqueeze_` is E0502)
 
 
 def expected_line(case: Case) -> str:
