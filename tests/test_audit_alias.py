@@ -216,3 +216,51 @@ def test_a_torchvision_detection_train_step_is_clean_and_runs_as_without_the_aud
     for (name, p), q in zip(plain.named_parameters(), audited.parameters()):
         assert (p.grad is None) == (q.grad is None), name
         assert p.grad is None or torch.equal(p.grad, q.grad), name
+
+
+# How a second name gets the tensor object without being taken from the first in the code: an
+# attribute, a dict the frame does not hold, a function's return. (`h = m`: taken, for contrast.)
+SECOND = {
+    "attribute": ("box.t = m", "h = box.t"),
+    "global dict": ("CACHE['t'] = m", "h = CACHE['t']"),
+    "call": ("box.t = m", "h = box.get()"),
+    "taken": ("pass", "h = m"),
+}
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(hows, st.sampled_from(sorted(SECOND)), st.booleans())
+def test_the_limit_a_second_name_not_taken_in_the_code_is_read_as_taken_before_the_write(how, second, by_helper):
+    """The limit the guide states: ``h`` names ``m``'s tensor but was not taken from ``m`` in the
+    code (through an attribute, a dict, a call), so the audit cannot tell a reborrow of ``m``
+    (``let h = &mut *m; *h += 1; m``: legal) from a second borrow taken while ``m`` lives (Rust
+    refuses it): writing through ``h`` and then reading ``m`` is ``E0499``, where ``h = m``, taken
+    in the code, is a reborrow and clean. Telling them apart needs how each binding was made at run
+    time, from the frame's start (every frame traced); and names taken in the code are not values
+    (``sample, res = block(sample)`` takes ``res`` from the old ``sample``)."""
+    store, load = SECOND[second]
+    body = [store, load, through("h", how, by_helper) + "  # write", "return m.sum()  # read"]
+    filename = f"<alias-limit-{next(_counter)}>"
+    lines = [
+        "class Box:",
+        "    def get(self):",
+        "        return self.t",
+        "box = Box()",
+        "CACHE = {}",
+        "def helper(m):",
+        f"    {write('m', how)}  # helper write",
+        "def f(x):",
+        "    m = x * 1.0",
+    ] + ["    " + line for line in body]
+    marks = {line.rsplit("# ", 1)[1]: f"{filename}:{i}" for i, line in enumerate(lines, 1) if "# " in line}
+    namespace: dict = {"torch": torch}
+    exec(compile("\n".join(lines) + "\n", filename, "exec"), namespace)
+    with torch.no_grad():
+        report = audit(namespace["f"], torch.randn(4, 3, generator=torch.Generator().manual_seed(0)))
+    assert report.error is None, report.error
+    if second == "taken":
+        assert report.clean, report.findings
+    else:
+        (f,) = report.findings
+        assert f.code == "E0499" and f.read_at == marks["read"], f
+        assert f.where == marks["helper write" if by_helper else "write"]
