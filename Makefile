@@ -1,8 +1,8 @@
 # plusequals: `make report` (set up + the benchmark report), `make test` (set up + every test).
 # Everything installs into .venv. The build caches live outside the clone, in CACHE, so that a
-# second clone on the same machine (CI's) starts warm: cargo's target dir, ccache's objects and a
-# link to the venv (below); uv keeps its wheels in its own cache. `make clean-cache` removes CACHE
-# (docs/guide/building.md, "Caches").
+# second clone on the same machine (CI's) starts warm: cargo's target dir, ccache's objects,
+# Inductor's kernels and a link to the venv (below); uv keeps its wheels in its own cache.
+# `make clean-cache` removes CACHE (docs/guide/building.md, "Caches").
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -21,6 +21,9 @@ export LIBTORCH_USE_PYTORCH := 1
 # once per machine.
 export CXX := $(abspath scripts/ccache-g++)
 export CCACHE_DIR ?= $(CACHE)/ccache
+# Inductor's compiled kernels (torch.compile in the report and the tests), kept like ccache's objects:
+# a hit is the same kernel (keyed by the graph, Inductor's config and torch's version).
+export TORCHINDUCTOR_CACHE_DIR ?= $(CACHE)/inductor
 REPORT_ARGS ?=
 
 .PHONY: help venv build-dev test check clean-cache sweep test-python test-rust test-install wheel lint report demo clean pytest cargo-test lint-checks

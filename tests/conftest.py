@@ -106,6 +106,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def inductor_cache_dir(tmp_path_factory) -> Path:
+    """Where Inductor's compiled kernels go for a test module that compiles: the directory the
+    environment names (make test: CACHE/inductor, kept between runs and clones, as ccache keeps
+    torch-sys's objects; a hit is the same kernel, keyed by the graph, the config and torch's
+    version), else a fresh one of this session's."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if named and named != default_cache_dir():
+        return Path(named)
+    return tmp_path_factory.mktemp("inductor")
+
+
 @pytest.fixture
 def block():
     return make_block()

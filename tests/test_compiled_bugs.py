@@ -1,8 +1,8 @@
 """The seed's bugs under torch.compile (Inductor, default mode, CPU): each strategy's outcome is
 derived again and compared with ``compiled_bugs.COMPILED``, the table the README's torch.compile
 cells are rendered from. Two compiles per strategy (the UNet level under ``no_grad``, the
-textual-inversion step), tiny shapes, static shapes; Inductor's cache in a directory of this
-session's, set per test."""
+textual-inversion step), tiny shapes, static shapes; Inductor's cache in conftest's
+``inductor_cache_dir``, set per test."""
 
 import re
 from pathlib import Path
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from torch._inductor.utils import clear_caches
 
+from conftest import inductor_cache_dir
 from plusequals import STRATEGIES
 from plusequals.bench import compiled_bugs as cb
 from plusequals.model import bugs
@@ -19,7 +20,7 @@ README = Path(__file__).resolve().parents[1] / "docs/guide/bugs.md"  # the bugs'
 
 @pytest.fixture(scope="module")
 def inductor_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("inductor")
+    return inductor_cache_dir(tmp_path_factory)
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """What Inductor does with the residual add, read from the code it generates
 (``bench.inductor.residual_destination``), held to what the compiled block does to memory and to
-the README's bullet. One compile per strategy, tiny shapes; Inductor's cache in a directory of
-this module's, set per test."""
+the README's bullet. One compile per strategy, tiny shapes; Inductor's cache in conftest's
+``inductor_cache_dir``."""
 
 import json
 import os
@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch._inductor.utils import clear_caches
 
+from conftest import inductor_cache_dir
 from plusequals.bench import compilers, inductor
 from plusequals.bench.analyse import step_ratio
 from plusequals.bench.results import Results, fmt
@@ -21,10 +22,10 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 @pytest.fixture(scope="module")
 def read(tmp_path_factory):
-    """Both strategies compiled and read once for the module (Inductor's cache in a temporary
-    directory, the environment restored after)."""
+    """Both strategies compiled and read once for the module (Inductor's cache in conftest's
+    ``inductor_cache_dir``, the environment restored after)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir(tmp_path_factory)))
         clear_caches()
         out = {}
         for strategy in inductor.STRATEGIES:
