@@ -23,8 +23,6 @@ fn main() {
     // wheel, or a `pip install` whose build environment (and its torch) is gone afterwards.
     println!("cargo:rustc-link-arg=-Wl,-rpath=$ORIGIN/../torch/lib");
     println!("cargo:rustc-link-arg=-Wl,-rpath={lib_dir}");
-    // For tests that run binaries built outside this crate (trybuild's twins).
-    println!("cargo:rustc-env=PLUSEQUALS_LIBTORCH_LIB={lib_dir}");
     // pip torch: torch/lib holds the libraries, torch/include the headers.
     let include = Path::new(&lib_dir).join("../include");
     cc::Build::new()

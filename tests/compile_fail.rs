@@ -1,6 +1,7 @@
 //! The compile-fail suite: each case in tests/ui/cases.txt must fail with its stated rustc
-//! error (snapshot in tests/ui/<case>.stderr) and its `<case>_fixed.rs` twin must compile and
-//! run. Update snapshots with `TRYBUILD=overwrite cargo test --test compile_fail`.
+//! error (snapshot in tests/ui/<case>.stderr), and its `<case>_fixed.rs` twin must compile and
+//! run (tests/fixed_twins.rs, one binary for all twins). Update snapshots with
+//! `TRYBUILD=overwrite cargo test --test compile_fail`.
 
 fn cases() -> Vec<(&'static str, &'static str)> {
     include_str!("ui/cases.txt")
@@ -13,21 +14,14 @@ fn cases() -> Vec<(&'static str, &'static str)> {
         .collect()
 }
 
-/// The only test in this binary, on purpose: it sets `LD_LIBRARY_PATH` for trybuild's twins,
-/// and `set_var` is only sound while no other thread of the process reads the environment. With
-/// one test, libtest runs no other test thread beside it (and nothing here loads libtorch).
 #[test]
 fn ui() {
     every_snapshot_states_its_error_code();
     every_fixed_twin_asserts_instead_of_printing();
-    // The twins run as binaries of trybuild's own crate, which do not get this crate's rpath.
-    let lib = env!("PLUSEQUALS_LIBTORCH_LIB");
-    let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-    std::env::set_var("LD_LIBRARY_PATH", format!("{lib}:{old}"));
+    every_fixed_twin_runs_in_fixed_twins_rs();
     let t = trybuild::TestCases::new();
     for (case, _) in cases() {
         t.compile_fail(format!("tests/ui/{case}.rs"));
-        t.pass(format!("tests/ui/{case}_fixed.rs"));
     }
 }
 
@@ -50,5 +44,16 @@ fn every_fixed_twin_asserts_instead_of_printing() {
         let src = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
         assert!(!src.contains("print!") && !src.contains("println!"), "{path} prints");
         assert!(src.contains("assert"), "{path} asserts nothing");
+    }
+}
+
+/// tests/fixed_twins.rs runs every case's twin, and only those.
+fn every_fixed_twin_runs_in_fixed_twins_rs() {
+    let runner = include_str!("fixed_twins.rs");
+    let listed = runner.lines().filter(|l| l.starts_with("fixed_twin!(")).count();
+    assert_eq!(listed, cases().len(), "tests/fixed_twins.rs lists {listed} twins");
+    for (case, _) in cases() {
+        let line = format!("fixed_twin!({case}, \"ui/{case}_fixed.rs\");");
+        assert!(runner.contains(&line), "tests/fixed_twins.rs lacks `{line}`");
     }
 }

@@ -3,7 +3,7 @@
 use plusequals::testing::{small_block, small_inputs};
 use plusequals::{AddInPlace, Result};
 
-fn main() -> Result<()> {
+pub fn main() -> Result<()> {
     let block = small_block()?;
     let (mut x, _context) = small_inputs()?;
     let saved_by_norm1 = x.copy();

@@ -2,7 +2,7 @@
 use plusequals::testing::{small_block, small_inputs};
 use plusequals::{NoGrad, Result};
 
-fn main() -> Result<()> {
+pub fn main() -> Result<()> {
     let block = small_block()?;
     let (x, context) = small_inputs()?;
     let saved = x.copy();

@@ -8,7 +8,7 @@ fn training_step(block: &BasicTransformerBlock, x: &Tensor, embedding: &Tensor) 
     block.forward(x, Some(embedding))
 }
 
-fn main() -> Result<()> {
+pub fn main() -> Result<()> {
     let block = small_block()?;
     let (x, context) = small_inputs()?;
     let embedding = context.set_requires_grad(true);

@@ -7,7 +7,7 @@ fn attn1_residual(block: &BasicTransformerBlock, x: &Tensor) -> Result<Tensor> {
     Ok(block.attn1.forward(&block.norm1.forward(x)?, None)?.f_add(x)?)
 }
 
-fn main() -> Result<()> {
+pub fn main() -> Result<()> {
     let block = small_block()?;
     let (x, _context) = small_inputs()?;
     let before = x.copy();

@@ -2,7 +2,7 @@
 use plusequals::testing::{small_block, small_inputs};
 use plusequals::{AddInPlace, Result};
 
-fn main() -> Result<()> {
+pub fn main() -> Result<()> {
     let block = small_block()?;
     let (mut x, context) = small_inputs()?;
     let a = block.attn1.forward(&block.norm1.forward(&x)?, None)?;

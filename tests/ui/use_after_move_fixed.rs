@@ -2,7 +2,7 @@
 use plusequals::testing::{small_block, small_inputs};
 use plusequals::Result;
 
-fn main() -> Result<()> {
+pub fn main() -> Result<()> {
     let block = small_block()?;
     let (x, context) = small_inputs()?;
     let before = x.copy();
