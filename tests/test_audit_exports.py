@@ -104,26 +104,37 @@ def _run(namespace: dict, module: bool, grad: bool, audited: bool) -> tuple:
     """The program run plainly or audited, from the same inputs: the output, the gradients, the
     input afterwards, and the report."""
     torch.manual_seed(0)
-    model = namespace["M"]() if module else namespace["f"]
+    outs: list = []
+    if module:
+        model = namespace["M"]()
+        model.register_forward_hook(lambda m, i, out: outs.append(out.detach().clone()))
+    else:
+
+        def model(x, w):
+            out = namespace["f"](x, w)
+            outs.append(out.detach().clone())
+            return out
+
     x, w = _inputs(grad)
     args = (x,) if module else (x, w)
     params = list(model.parameters()) if module else [w]
     with torch.enable_grad() if grad else torch.no_grad():
         if audited:
             report = audit(model, *args, backward=grad)
-            out = None
         else:
             report, out = None, model(*args)
             if grad:
                 out.sum().backward()
     grads = [None if p.grad is None else p.grad.clone() for p in [x, *params]]
-    return out, grads, x.detach().clone(), report
+    return outs[0], grads, x.detach().clone(), report
 
 
 def _bitwise(a, b) -> bool:
     if a is None or b is None:
         return a is b
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 @settings(max_examples=examples(80), deadline=None)
@@ -142,11 +153,11 @@ def test_a_write_through_an_exported_view_is_judged_as_an_aten_write_at_its_line
     module = module or holder == "inner"  # a function's module calls are not watched
     source = program(export, WRITES[write], holder, saved, module, read_after)
     namespace, lines = _compile(source)
-    _, plain_grads, plain_x, _ = _run(namespace, module, grad, audited=False)
-    _, grads, x_after, report = _run(namespace, module, grad, audited=True)
+    plain_out, plain_grads, plain_x, _ = _run(namespace, module, grad, audited=False)
+    out, grads, x_after, report = _run(namespace, module, grad, audited=True)
     assert report.error is None and report.backward_error is None, (source, report.error, report.backward_error)
-    # the audit changes nothing: the input afterwards and every gradient are the plain run's
-    assert _bitwise(x_after, plain_x)
+    # the audit changes nothing: the output, the input afterwards and every gradient are the plain run's
+    assert _bitwise(out, plain_out) and _bitwise(x_after, plain_x)
     assert all(_bitwise(a, b) for a, b in zip(grads, plain_grads)), source
     want = set()
     if holder == "argument":
@@ -188,11 +199,11 @@ def test_reading_through_a_view_or_writing_a_fresh_tensors_view_is_clean(export,
     else:
         source = HELPER + "def f(x, w):\n" + "".join(f"    {b}\n" for b in body)
     namespace, _ = _compile(source)
-    _, plain_grads, _, _ = _run(namespace, module, grad, audited=False)
-    _, grads, _, report = _run(namespace, module, grad, audited=True)
+    plain_out, plain_grads, _, _ = _run(namespace, module, grad, audited=False)
+    out, grads, _, report = _run(namespace, module, grad, audited=True)
     assert report.error is None and report.backward_error is None
     assert report.findings == [], (source, report.findings)
-    assert all(_bitwise(a, b) for a, b in zip(grads, plain_grads))
+    assert _bitwise(out, plain_out) and all(_bitwise(a, b) for a, b in zip(grads, plain_grads))
 
 
 class Relu(nn.Module):
@@ -383,3 +394,25 @@ def test_what_the_watch_does_not_see():
     assert report.findings == [] and w.tolist() == [0.0, 0.0, 0.0]
     x = torch.ones(3)
     assert audit(Early(), x).clean and x.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_audit_run_and_the_plugin_scope_see_the_same_write():
+    """An outermost call audited by the scope (``audit run``, the pytest plugin) watches exports
+    as ``audit()`` does, and the program's result is its own."""
+    from plusequals.audit.scope import AuditScope
+
+    class Clamp(nn.Module):
+        def forward(self, h):
+            a = np.asarray(h.detach())
+            np.minimum(a, 0.5, out=a)  # scope write
+            return h * 2
+
+    x = torch.linspace(0.0, 1.0, 4)
+    with AuditScope() as scope:
+        out = Clamp()(x)
+    (call,) = scope.calls
+    (f,) = call.report.findings
+    line = next(i for i, s in enumerate(open(__file__).read().splitlines(), 1) if s.endswith("# scope write"))
+    assert f.code == "E0596" and f.where.endswith(f":{line}") and f.op == "Tensor.__array__() view"
+    assert torch.equal(out, torch.linspace(0.0, 1.0, 4).clamp(max=0.5) * 2)
+    assert "numpy" not in vars(torch.Tensor)
