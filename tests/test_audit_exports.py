@@ -416,3 +416,22 @@ def test_audit_run_and_the_plugin_scope_see_the_same_write():
     assert f.code == "E0596" and f.where.endswith(f":{line}") and f.op == "Tensor.__array__() view"
     assert torch.equal(out, torch.linspace(0.0, 1.0, 4).clamp(max=0.5) * 2)
     assert "numpy" not in vars(torch.Tensor)
+
+
+def test_an_aten_write_into_exported_memory_is_the_aten_write_only():
+    """A tensor read through NumPy and then written by an aten op, through itself or through
+    ``.data`` (which bumps no version of its own), is judged once, as that op."""
+
+    class ReadThenWrite(nn.Module):
+        def __init__(self, through_data: bool) -> None:
+            super().__init__()
+            self.through_data = through_data
+
+        def forward(self, x):
+            a = np.asarray(x)  # kept: the export lives on
+            (x.data if self.through_data else x).add_(float(a.max()))  # aten write
+            return x * float(a.min())
+
+    for through_data in (False, True):
+        (f,) = audit(ReadThenWrite(through_data), torch.ones(3)).findings
+        assert f.code == "E0596" and f.op == "aten.add_.Tensor", f

@@ -297,11 +297,12 @@ class Exports:
         finally:
             self.busy = False
 
-    def rebase(self) -> None:
-        """After an op: an aten write into an exported tensor (its version moved) is the write
+    def rebase(self, written: List[Optional[Span]]) -> None:
+        """After an op: an aten write into an exported tensor (its version moved, or the op wrote
+        its memory through another tensor of the same storage, as ``.data``) is the write
         watch's; its bytes are taken again."""
         for e in self.live:
-            if e.tensor._version != e.version:
+            if e.tensor._version != e.version or any(s is not None and s.overlaps(e.span) for s in written):
                 e.rebase()
 
     def _line(self, frame: FrameType) -> None:

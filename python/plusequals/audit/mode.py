@@ -223,6 +223,7 @@ class WriteWatch(TorchDispatchMode):
         if self.exported:  # a write through NumPy or DLPack since the last op is seen before this one
             self.exports.check()
         found: Writes = WRITES.get(func) or writes_of(func)
+        written: List[Tensor] = []
         if found.positions:
             with torch._C.DisableTorchFunction():
                 written, metadata_only = writes(func, args, kwargs)
@@ -230,8 +231,8 @@ class WriteWatch(TorchDispatchMode):
                     self.settle()
                     self._check(func, written, metadata_only)
         out = func(*args, **kwargs)
-        if self.exported:
-            self.exports.rebase()
+        if self.exported:  # an aten write into exported memory is this watch's own (also through `.data`)
+            self.exports.rebase([span(t) for t in written])
         if torch.is_grad_enabled():
             # a parameter's memory as the op used it: its `.data` may be swapped before the
             # next settle (no op shows that), and autograd then saved other data than it computed with
