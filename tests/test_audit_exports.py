@@ -33,6 +33,7 @@ EXPORTS = {
     "np.from_dlpack": "a = np.from_dlpack({t}.detach())",
     "to_dlpack": "a = torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack({t}.detach()))",
     "helper": "a = export({t})",  # exported in a function that returns the array
+    "torch.from_numpy": "a = torch.from_numpy({t}.detach().numpy())",  # a tensor of its own storage
 }
 # How it is written through `a` (a NumPy array or, from torch.from_dlpack, a tensor that is not
 # the tensor object, nor its storage), and reads that change nothing.
