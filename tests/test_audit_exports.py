@@ -436,3 +436,27 @@ def test_an_aten_write_into_exported_memory_is_the_aten_write_only():
     for through_data in (False, True):
         (f,) = audit(ReadThenWrite(through_data), torch.ones(3)).findings
         assert f.code == "E0596" and f.op == "aten.add_.Tensor", f
+
+
+def test_numpy_sees_torch_s_own_array_protocol_warnings_included():
+    """``np.asarray``, ``np.array(copy=True)`` and a ``dtype`` reach torch's ``__array__`` with
+    the arguments NumPy gave: its warnings and results are the plain run's."""
+    import warnings
+
+    class Reads(nn.Module):
+        def forward(self, x):
+            arrays = [np.asarray(x), np.array(x, copy=True), np.array(x, dtype=np.float64), np.asarray(x, np.float32)]
+            return x + float(sum(a.sum() for a in arrays))
+
+    def run(audited: bool) -> list:
+        x = torch.linspace(0.0, 1.0, 3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if audited:
+                report = audit(Reads(), x)
+                assert report.clean and report.error is None, (report.findings, report.error)
+            else:
+                Reads()(x)
+        return [(w.category, str(w.message)) for w in caught]
+
+    assert run(audited=True) == run(audited=False)

@@ -233,16 +233,13 @@ class Exports:
         self._saved.clear()
 
     def _wrap(self, original: Any, name: str, method: bool) -> Any:
-        how = f"Tensor.{name}" if method else f"{'torch' if name == 'to_dlpack' else ''}.{name}".lstrip(".")
-        if name == "__array__":
+        how = f"Tensor.{name}" if method else f"torch.{name}"
+        array = name in ("numpy", "__array__")
 
-            def __array__(tensor: Tensor, dtype: Any = None) -> Any:  # numpy inspects this signature
-                return self._export(original, how, tensor, (dtype,), {}, True)
-
-            return __array__
-
+        # every argument passed on as given: what torch's own accepts or refuses (numpy retries
+        # ``__array__`` without ``copy=`` on a TypeError) is unchanged
         def export(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
-            return self._export(original, how, tensor, args, kwargs, name in ("numpy", "__array__"))
+            return self._export(original, how, tensor, args, kwargs, array)
 
         export.__name__ = export.__qualname__ = name
         export.__doc__ = getattr(original, "__doc__", None)
