@@ -33,7 +33,7 @@ help:
 	@echo "make test     set up, build, run clippy, cargo test and pytest (parity, bugs, compile-fail, aliases)"
 	@echo "make check    set up, build, run pytest quickly (no slow tests, small hypothesis budgets)"
 	@echo "make demo     set up, build, run python -m plusequals demo"
-	@echo "make sweep    set up, build, rerun the audit's corpus and model sweep into docs/guide/audit.md"
+	@echo "make sweep    set up, build, rerun the audit's corpus and model sweep into docs/guide/audit.md, then test every model"
 	@echo "make wheel    set up, build the abi3 wheel into dist/ (maturin build --release)"
 	@echo "make test-install  the wheel, then pip install of this repo, each into a fresh venv with torch"
 
@@ -81,12 +81,13 @@ test: lint test-rust build-dev
 # The quick loop while developing: no lint, no install checks, the slow tests left out and a
 # quarter of each hypothesis budget (the dev profile, tests/conftest.py). CI runs make test.
 check: build-dev
-	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q -n auto --dist loadgroup -m "not slow"
+	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q -n auto --dist loadgroup -m "not slow and not sweep"
 
 # The checks alone, without the set-up steps (test, test-python, test-rust and lint run these).
-# --durations: the slowest tests, so that growth is seen.
+# --durations: the slowest tests, so that growth is seen. The audit sweep's models beyond one of
+# each architecture (the sweep marker) run in make sweep.
 pytest:
-	$(PY) -m pytest -q -n auto --dist loadgroup --durations=15
+	$(PY) -m pytest -q -n auto --dist loadgroup --durations=15 -m "not sweep"
 
 cargo-test:
 	@scripts/step.sh "build: cargo test binaries (debug)" $(LOG) cargo test --tests --no-run
@@ -112,10 +113,11 @@ report: build-dev
 demo: build-dev
 	$(PY) -m plusequals demo
 
-# The audit's corpus and false-positive sweep, rerun into docs/guide/audit.md's tables (make test
-# checks that the tables are current: tests/test_audit_corpus.py, tests/test_audit_sweep.py)
+# The audit's corpus and false-positive sweep, rerun into docs/guide/audit.md's tables, then every
+# model's test (make test runs one model of each architecture: tests/test_audit_sweep.py)
 sweep: build-dev
 	$(PY) scripts/audit_tables.py
+	$(PY) -m pytest -q -n auto --dist loadgroup -m sweep tests/test_audit_sweep.py
 
 # ruff (pyproject.toml, width 120 as rustfmt) for Python; rustfmt and clippy for Rust: clippy.toml
 # forbids tch's write-through-& and panicking calls in this crate (scripts/gen_clippy_toml.py)

@@ -1,8 +1,9 @@
-"""The false-positive sweep (issue 31): popular models, forward and backward in train mode, must
-give no finding (``plusequals/audit/sweep.py``). Every model of the sweep runs in ``make test``,
-one test each, and checks its row of the README's table, which must list every model once. The
-heaviest (``sweep.SLOW``: 21 torchvision models of 98, half the sweep's time) are marked slow, so
-``-m "not slow"`` leaves them out of a quick local run.
+"""The false-positive sweep: popular models, forward and backward in train mode, must give no
+finding (``plusequals/audit/sweep.py``), and each checks its row of the guide's table, which must
+list every model once. ``make test`` runs one model of each architecture (``sweep.representatives``:
+17 torchvision code families, every transformers and diffusers model); the others carry the
+``sweep`` marker, which ``make test`` leaves out and ``make sweep`` runs, after regenerating the
+tables. Plain ``pytest`` runs them all. The heaviest (``sweep.SLOW``) are also marked slow.
 """
 
 from __future__ import annotations
@@ -40,11 +41,23 @@ def check(family: str, name: str) -> None:
 
 
 DEFAULT = _models(slow=False)
+SUBSET = [(e.family, e.name) for e in sweep.representatives()]
 
 
-@pytest.mark.parametrize("family,name", DEFAULT, ids=[f"{f}-{n}" for f, n in DEFAULT])
-def test_a_model_is_clean_and_its_readme_row_current(family, name):
+@pytest.mark.parametrize("family,name", SUBSET, ids=[f"{f}-{n}" for f, n in SUBSET])
+def test_a_model_of_each_architecture_is_clean_and_its_readme_row_current(family, name):
     check(family, name)
+
+
+def test_the_subset_is_one_model_of_each_architecture():
+    """make test's subset covers every architecture once, the models whose moves are counted among
+    them; the rest of the sweep is every other model."""
+    everything = [(f, e.name) for f in sweep.families() for e in sweep.entries(f)]
+    arch = {(f, e.name): (f, sweep.architecture(e)) for f in sweep.families() for e in sweep.entries(f)}
+    assert sorted(arch[m] for m in SUBSET) == sorted(set(arch.values()))
+    assert {("torchvision", n) for n in sweep.MOVES} <= set(SUBSET)
+    assert sorted(SUBSET + REST) == sorted(everything) and not set(SUBSET) & set(REST)
+    assert len({a for f, a in arch.values() if f == "torchvision"}) >= 15
 
 
 def test_the_readme_table_lists_every_model_of_the_sweep_once():
@@ -69,10 +82,14 @@ def test_the_meta_device_gives_what_cpu_tensors_give():
     assert len(cpu.report.moves) == sweep.MOVES["resnet18"]
 
 
-SLOW = _models(slow=True)
+REST = [m for m in DEFAULT + _models(slow=True) if m not in SUBSET]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family,name", SLOW, ids=[f"{f}-{n}" for f, n in SLOW])
-def test_a_slow_model_is_clean_and_its_readme_row_current(family, name):
+@pytest.mark.sweep
+@pytest.mark.parametrize(
+    "family,name",
+    [pytest.param(*m, marks=[pytest.mark.slow] if m in sweep.SLOW else []) for m in REST],
+    ids=[f"{f}-{n}" for f, n in REST],
+)
+def test_every_other_model_is_clean_and_its_readme_row_current(family, name):
     check(family, name)

@@ -22,7 +22,7 @@ from torch import nn
 
 from . import AuditReport, audit
 
-__all__ = ["MOVES", "SLOW", "Entry", "Row", "entries", "families", "markdown", "run"]
+__all__ = ["MOVES", "SLOW", "Entry", "Row", "architecture", "entries", "families", "markdown", "representatives", "run"]
 
 
 class Entry(NamedTuple):
@@ -39,9 +39,9 @@ class Row(NamedTuple):
     seconds: float
 
 
-# The heaviest torchvision models, marked slow in tests/test_audit_sweep.py (make test runs them;
-# -m "not slow" does not): on a loaded 2-core machine these 21 took 96 s of the sweep's 202 s, the
-# other 77 (every transformers and diffusers model among them) 106 s.
+# The heaviest torchvision models, marked slow in tests/test_audit_sweep.py (make sweep runs them)
+# and never a representative: on a loaded 2-core machine these 21 took 96 s of the sweep's 202 s,
+# the other 77 (every transformers and diffusers model among them) 106 s.
 SLOW = (
     ("torchvision", "regnet_y_128gf"),
     ("torchvision", "efficientnet_v2_l"),
@@ -227,6 +227,33 @@ def families() -> List[str]:
 
 def entries(family: str) -> List[Entry]:
     return _FAMILIES[family]()
+
+
+def architecture(entry: Entry) -> str:
+    """The code a model runs: for torchvision the module its builder lives in (``resnet`` holds
+    ResNet, ResNeXt and Wide ResNet, ``efficientnet`` B0-B7 and V2), elsewhere the model itself
+    (every transformers and diffusers entry is an architecture of its own)."""
+    if entry.family != "torchvision":
+        return entry.name
+    import torchvision
+
+    return torchvision.models.get_model_builder(entry.name).__module__.rsplit(".", 1)[-1]
+
+
+def representatives() -> List[Entry]:
+    """One model of each architecture of the installed families, in the sweep's order: a model
+    whose moves are counted (``MOVES``) where the architecture has one, else its first model not
+    in ``SLOW``. ``make test`` runs these; ``make sweep`` runs every model."""
+    by_architecture: Dict[Tuple[str, str], List[Entry]] = {}
+    for family in families():
+        for e in entries(family):
+            by_architecture.setdefault((family, architecture(e)), []).append(e)
+
+    def pick(models: List[Entry]) -> Entry:
+        counted = [e for e in models if e.name in MOVES]
+        return (counted or [e for e in models if (e.family, e.name) not in SLOW] or models)[0]
+
+    return [pick(models) for models in by_architecture.values()]
 
 
 def run(entry: Entry, device: Optional[str] = None, seed: int = 0) -> Row:
