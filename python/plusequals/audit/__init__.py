@@ -52,9 +52,16 @@ def audit(model: Any, *args: Any, backward: bool = False, **kwargs: Any) -> Audi
     what broke rustc's rules: :class:`AuditReport` (``findings``, each a :class:`Finding` with
     its code E0596, E0382, E0502 or E0499, module, ``path:line`` and op). The model's own error is
     recorded in ``error`` / ``backward_error``, not raised; findings before it are kept. A
-    ``# plusequals: allow(CODE)`` comment on the writing line silences that code there."""
+    ``# plusequals: allow(CODE)`` comment on the writing line silences that code there.
+
+    What ``torch.compile`` returned is audited as the code it compiled, run eagerly (the same
+    writes, in the same tensors): its compiled graph is left as it was (run under the audit's
+    dispatch mode, it would give the program's later calls other bits), and ``report.eager`` says
+    so."""
+    model, eager = _uncompiled(model)
     unit = CallAudit(model, args, kwargs, stop=sys._getframe())
     report = unit.report
+    report.eager = eager
     with unscoped(), unit.watching():
         with unit.forward():
             out = _run(report, lambda: model(*args, **kwargs))
@@ -69,6 +76,18 @@ def audit(model: Any, *args: Any, backward: bool = False, **kwargs: Any) -> Audi
     allows.apply(report)
     report.unused_allows = allows.unused()
     return report
+
+
+def _uncompiled(model: Any) -> Any:
+    """``(the code torch.compile compiled, "torch.compile")`` for what it returned (a module or a
+    function), else ``(model, None)``."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    if dynamo is not None and isinstance(model, dynamo.OptimizedModule):
+        return model._orig_mod, "torch.compile"
+    original = getattr(model, "_torchdynamo_orig_callable", None)
+    if original is not None and not getattr(model, "_torchdynamo_disable", False):
+        return original, "torch.compile"
+    return model, None
 
 
 def _run(report: AuditReport, fn: Any) -> Any:

@@ -166,6 +166,9 @@ class ModuleWatch:
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
+            # torch's handle of a global forward hook with kwargs leaves its kwargs mark behind:
+            # left there, every later ``torch.compile(module)`` call warns of global hooks
+            _module._global_forward_hooks_with_kwargs.pop(h.id, None)
         self._handles.clear()
         self.stack.clear()
         self._params.clear()

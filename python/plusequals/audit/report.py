@@ -54,7 +54,9 @@ class AuditReport:
     ``unused_allows``: ``(path:line, code)`` of each allowed code that silenced nothing.
     ``backward_skipped``: why ``backward=True`` ran no backward (no output requires grad).
     ``moves``: writes into a temporary that nothing else held and no name read afterwards (code
-    ``"move"``; Rust accepts them: the module took the value by value). Never findings."""
+    ``"move"``; Rust accepts them: the module took the value by value). Never findings.
+    ``eager``: the compiler whose output was audited as the code it compiled, run eagerly
+    (``"torch.compile"``), its compiled graph left untouched; None otherwise."""
 
     findings: List[Finding] = field(default_factory=list)
     ops: int = 0
@@ -66,6 +68,7 @@ class AuditReport:
     unused_allows: List[Tuple[str, str]] = field(default_factory=list)
     backward_skipped: Optional[str] = None
     moves: List[Finding] = field(default_factory=list)
+    eager: Optional[str] = None
 
     @property
     def codes(self) -> List[str]:
@@ -100,6 +103,8 @@ class AuditReport:
         found = ", ".join(f"{c}x{len(self.by_code(c))}" for c in self.codes)
         found = found or ("no findings before the error" if raised else "clean")
         line = f"{found} ({self.ops} ops, {self.modules} modules, {self.calls} calls watched)"
+        if self.eager:
+            line += f"; what {self.eager} compiled, audited eagerly (its compiled graph not run)"
         for label, err in (("forward raised", self.error), ("backward raised", self.backward_error)):
             if err:
                 line += f"; {label}: {err if len(err) <= 110 else err[:109] + '…'}"

@@ -32,6 +32,7 @@ from .mode import PythonCalls, Recorder, WriteWatch
 from .modules import Arg, ModuleWatch, arguments
 from .report import AuditReport, Finding
 from .saved import SavedTensors, reachable
+from .tracers import Tracers, in_compiled_code, module_call, traced_by_dynamo
 
 __all__ = ["AuditScope", "AuditedCall", "CallAudit", "backward_from", "child", "describe", "roots", "tracer"]
 
@@ -213,6 +214,7 @@ def _class_name(module: nn.Module) -> str:
 
 def _audited_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if torch.compiler.is_compiling():  # Dynamo (torch.compile, torch.export) traces this call: not ours
+        traced_by_dynamo()  # counted each time the compiled frame runs
         return _ORIGINAL_CALL(module, *args, **kwargs)
     scope = _ACTIVE[-1] if _ACTIVE else None
     if scope is None or scope.busy or threading.get_ident() != scope.thread:
@@ -220,7 +222,12 @@ def _audited_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     by = tracer(module)
     if by is not None:
         return scope.aside(f"under a tracer ({by})", module, args, kwargs)
+    if isinstance(module, torch.fx.GraphModule) and in_compiled_code(sys._getframe(1)):
+        return scope.unaudited(module, args, kwargs)  # a compiled frame's backend: the frame is counted
     return scope.call(module, args, kwargs)
+
+
+module_call(_audited_call)
 
 
 @contextlib.contextmanager
@@ -254,12 +261,14 @@ class AuditScope:
         self.reads = CallerReads()
         # the outermost calls run but not audited, by why (``under a tracer (torch.jit.trace)``)
         self.not_audited: Dict[str, int] = {}
+        self.tracers = Tracers(self.count)  # torch.compile'd functions, FX and export traces
 
     def __enter__(self) -> "AuditScope":
         if _ACTIVE:
             raise RuntimeError("an audit scope is already open")
         _ACTIVE.append(self)
         nn.Module.__call__ = _audited_call  # type: ignore[method-assign]
+        self.tracers.__enter__()
         if self.children is not None:
             self.children.__enter__()
         return self
@@ -267,6 +276,7 @@ class AuditScope:
     def __exit__(self, *exc: Any) -> None:
         self.reads.stop()
         nn.Module.__call__ = _ORIGINAL_CALL  # type: ignore[method-assign]
+        self.tracers.__exit__(*exc)
         _ACTIVE.remove(self)
         if self.children is not None and self.child is None:
             self.children.__exit__(*exc)
@@ -306,12 +316,24 @@ class AuditScope:
             out.append(f"{n} of these calls ran in {len(pids)} {kind}ed worker process{'es' * (len(pids) != 1)}")
         return out
 
+    def count(self, why: str, n: int = 1) -> None:
+        """``n`` outermost calls of this scope's thread ran but were not audited, because ``why``
+        (nothing when an audited call is running: they are its own)."""
+        if self.busy or threading.get_ident() != self.thread:
+            return
+        self.not_audited[why] = self.not_audited.get(why, 0) + n
+        if self.child is not None:
+            for _ in range(n):
+                dump(self.child[1], self.child[0], AuditedCall(why, "", None), [])  # type: ignore[arg-type]
+
     def aside(self, why: str, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Runs an outermost call as it would run without the audit (nothing watches it, nor the
         calls it makes), counted in ``not_audited`` under ``why``."""
-        self.not_audited[why] = self.not_audited.get(why, 0) + 1
-        if self.child is not None:
-            dump(self.child[1], self.child[0], AuditedCall(why, "", None), [])  # type: ignore[arg-type]
+        self.count(why)
+        return self.unaudited(module, args, kwargs)
+
+    def unaudited(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Runs a call, and the calls it makes, as without the audit."""
         self.busy = True
         try:
             return _ORIGINAL_CALL(module, *args, **kwargs)

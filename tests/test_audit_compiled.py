@@ -1,0 +1,216 @@
+"""The module calls a ``torch.compile``-d function makes, and those of ``torch.export`` and
+``torch.fx`` traces, under the audit: they run exactly as without it (the same results, bit for
+bit; the same graphs and compile counts) and are counted as not audited, with the reason, in the
+text, the JSON, the SARIF log and the plugin's section: one per outermost module call, each time
+the compiled frame runs. ``plusequals.audit`` of what ``torch.compile`` returned audits the code
+it compiled, eagerly, and leaves the compiled graph alone."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import plusequals
+from conftest import examples
+from plusequals.audit.scope import AuditScope
+from plusequals.audit.tracers import COMPILE, EXPORT, FX
+
+pytest_plugins = ["pytester"]
+PYTHONPATH = str(Path(__file__).resolve().parents[1] / "python")
+
+PROGRAM = """\
+import torch
+from torch import nn
+
+with torch.random.fork_rng():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 8)
+
+
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = net
+
+    def forward(self, t):
+        return self.net(t) + self.net(t * 2)
+
+
+step = torch.compile(lambda t: net(t).sum() + net(t * 2).sum(), backend="aot_eager", fullgraph=True)
+print([step(x).item() for _ in range(3)])
+exported = torch.export.export(Twice(), (x,))
+print(exported.module()(x).tolist())
+traced = torch.fx.symbolic_trace(Twice())
+print(traced(x).tolist(), str(traced.graph))
+"""
+
+
+def _python(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    command = [sys.executable, "-X", "faulthandler", *args]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+
+
+def test_audit_run_counts_a_compiled_functions_module_calls_and_leaves_its_results_alone(tmp_path):
+    (tmp_path / "compiled.py").write_text(PROGRAM)
+    plain = _python(tmp_path, "compiled.py")
+    audited = _python(tmp_path, "-m", "plusequals", "audit", "run", "compiled.py")
+    assert plain.returncode == 0, plain.stderr
+    assert audited.returncode == 0, audited.stderr
+    assert audited.stdout == plain.stdout  # the floats bit for bit, the FX graph the same
+    err = audited.stderr
+    # two outermost module calls in the compiled frame, three runs; one export, one FX trace
+    assert "note: 6 calls under a tracer (torch.compile) not audited\n" in err
+    assert "note: 1 call under a tracer (torch.export) not audited\n" in err
+    assert "note: 1 call under a tracer (torch.fx) not audited\n" in err
+    # audited: the exported program's module and the FX GraphModule, each run eagerly once
+    assert err.rstrip().endswith("no errors in 2 audited calls; 8 calls under a tracer not audited")
+
+
+def test_json_and_sarif_count_the_compiled_calls(tmp_path, capsys, monkeypatch):
+    import jsonschema
+
+    from plusequals.cli.run import main as audit_run
+
+    schema = json.loads((Path(__file__).parent / "data" / "sarif-schema-2.1.0.json").read_text())
+    (tmp_path / "compiled.py").write_text(PROGRAM)
+    monkeypatch.chdir(tmp_path)
+    with torch.random.fork_rng():
+        assert audit_run(["--format", "json", "-o", "out.json", "compiled.py"]) == 0
+        assert audit_run(["--format", "sarif", "-o", "out.sarif", "compiled.py"]) == 0
+    capsys.readouterr()
+    counted = {COMPILE: 6, EXPORT: 1, FX: 1}
+    assert json.loads((tmp_path / "out.json").read_text())["not_audited"] == counted
+    log = json.loads((tmp_path / "out.sarif").read_text())
+    jsonschema.validate(log, schema)
+    (note,) = log["runs"][0]["invocations"][0]["toolExecutionNotifications"]
+    assert note["message"]["text"] == (
+        "6 calls under a tracer (torch.compile) not audited; 1 call under a tracer (torch.export) not audited; "
+        "1 call under a tracer (torch.fx) not audited"
+    )
+
+
+PLUGIN_TESTS = """\
+import torch
+from torch import nn
+
+
+def test_compiled_step():
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        x = torch.randn(3, 8)
+    step = torch.compile(lambda t: net(t).sum(), backend="aot_eager", fullgraph=True)
+    assert torch.equal(step(x), step(x))
+"""
+
+
+def test_the_plugin_says_how_many_compiled_calls_it_did_not_audit(pytester, monkeypatch):
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("PYTHONPATH", PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    pytester.makepyfile(test_compiled=textwrap.dedent(PLUGIN_TESTS))
+    result = pytester.runpytest_subprocess("-p", "plusequals.audit.plugin", "--plusequals-audit", "-rA")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*plusequals audit*", "*note: 2 calls under a tracer (torch.compile) not audited*"])
+
+
+def _net() -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+@settings(max_examples=examples(5), deadline=None)
+@given(calls=st.integers(1, 3), runs=st.integers(1, 4), nested=st.booleans())
+def test_each_run_counts_the_outermost_module_calls_of_the_compiled_frame(calls, runs, nested):
+    """``calls`` outermost module calls (each a Sequential whose three children are nested, not
+    counted; or, ``nested``, each inside a wrapper module), ``runs`` runs: ``calls * runs``,
+    with the compile count and the results of the plain run."""
+    from torch._dynamo.testing import CompileCounter
+
+    net, x = _net(), torch.ones(3, 8)
+    outer = nn.Sequential(net) if nested else net
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return sum(outer(t * (i + 1)).sum() for i in range(calls))
+
+    seen = []
+    for scoped in (False, True):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        compiled = torch.compile(fn, backend=counter, fullgraph=True)
+        scope = AuditScope()
+        with scope if scoped else contextlib.nullcontext():
+            outs = [compiled(x) for _ in range(runs)]
+        seen.append((counter.frame_count, counter.op_count, outs))
+    (frames, ops, plain), (frames_, ops_, audited) = seen
+    assert (frames, ops) == (frames_, ops_) and all(torch.equal(a, b) for a, b in zip(plain, audited))
+    assert scope.calls == [] and scope.not_audited == {COMPILE: calls * runs}
+
+
+def test_a_graph_break_counts_the_calls_of_each_compiled_frame():
+    net, x = _net(), torch.ones(3, 8)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        y = net(t)
+        torch._dynamo.graph_break()
+        return net(t * 2).sum() + y.sum()
+
+    compiled = torch.compile(fn, backend="eager")
+    with AuditScope() as scope:
+        outs = [compiled(x) for _ in range(2)]
+    assert torch.equal(outs[0], fn(x)) and torch.equal(outs[1], fn(x))
+    assert scope.not_audited == {COMPILE: 4}  # net(t) in the first frame, net(t * 2) in the resumed one
+
+
+def test_nothing_is_counted_outside_the_scope_or_for_a_compiled_function_without_module_calls():
+    net, x = _net(), torch.ones(3, 8)
+    compiled = torch.compile(lambda t: net(t).sum(), backend="eager")
+    with AuditScope() as scope:
+        compiled(x)
+        torch.compile(lambda t: (t * 2).sum(), backend="eager")(x)
+    assert scope.not_audited == {COMPILE: 1}
+    compiled(x)  # the scope is closed: its hooks are gone
+    assert scope.not_audited == {COMPILE: 1}
+    assert torch.fx.Tracer.trace.__qualname__ == "Tracer.trace"
+
+
+class Scale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2.0)
+        return x.sum(0)
+
+
+def test_audit_of_what_torch_compile_returned_audits_its_code_and_leaves_the_graph_alone():
+    from torch.nn.modules import module as torch_module
+
+    net, scale = _net(), Scale()
+    for model, plain in (
+        (torch.compile(lambda t: net(t).sum() + scale(t.clone()).sum(), backend="aot_eager"), None),
+        (torch.compile(Scale(), backend="aot_eager"), Scale()),
+    ):
+        given = torch.arange(24.0).reshape(3, 8)
+        before = model(given.clone())
+        report = plusequals.audit(model, given.clone())
+        assert report.eager == "torch.compile" and "audited eagerly" in report.summary()
+        assert torch.equal(model(given.clone()), before)  # the compiled graph's bits, untouched
+        if plain is not None:  # the compiled module's write, found as in the module itself
+            assert [f.code for f in report.findings] == [
+                f.code for f in plusequals.audit(plain, given.clone()).findings
+            ]
+            assert report.codes == ["E0596"]
+        else:
+            assert report.clean  # scale writes into a clone
+    # no global hook left behind (torch would warn at every later compiled module's call)
+    assert not torch_module._has_any_global_hook()
