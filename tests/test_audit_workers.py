@@ -171,6 +171,7 @@ def test_a_workers_line_reads_back_as_it_was_written_and_a_cut_line_is_skipped(
         "caller": "",
         "files": [],
         "transform": False,
+        "sites": {},
         "report": None,
     }
     assert load(first[: min(cut, len(first) - 1)]) is None  # a worker killed while writing

@@ -23,6 +23,7 @@ import shutil
 import tempfile
 from typing import Any, Callable, Dict, List, Optional
 
+from . import sites
 from .report import AuditReport, Finding
 
 __all__ = ["Children", "dump", "load"]
@@ -54,8 +55,11 @@ def dump(path: str, kind: str, call: Any, files: List[str]) -> None:
     ``module`` says why)."""
     record = {"kind": kind, "pid": os.getpid(), "module": call.module, "caller": call.caller, "files": files}
     record["transform"] = call.transform
+    record["sites"] = {}
     if call.report is not None:
         record |= dataclasses.asdict(call.report)
+        found = [*call.report.findings, *call.report.moves, *call.report.allowed]
+        record["sites"] = sites.export([w for f in found for w in (f.where, f.read_at)])
     try:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -64,14 +68,15 @@ def dump(path: str, kind: str, call: Any, files: List[str]) -> None:
 
 
 def load(line: str) -> Optional[Dict[str, Any]]:
-    """A line of :func:`dump` back: ``kind``, ``pid``, ``module``, ``caller``, ``files`` and the
+    """A line of :func:`dump` back: ``kind``, ``pid``, ``module``, ``caller``, ``files``,
+    ``sites`` (what the child knew of its findings' lines: :func:`.sites.export`) and the
     ``report`` (None for a call not audited); None for a line cut short (a child killed while
     writing)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError:
         return None
-    keys = ("kind", "pid", "module", "caller", "files", "transform")
+    keys = ("kind", "pid", "module", "caller", "files", "transform", "sites")
     if "findings" not in record:
         return {**{k: record[k] for k in keys}, "report": None}
     fields = {f.name for f in dataclasses.fields(AuditReport)}

@@ -102,6 +102,14 @@ def _at(site: Optional[Site], op: str, name: Optional[str] = None) -> Optional[S
     return site._replace(column=start, end_column=end)
 
 
+def _under(site: Optional[Site]) -> str:
+    """The text under the caret (the write itself, not another call on its line), else the line."""
+    line = _source(site)
+    if site is None or not site.column or not site.end_column or site.end_column <= site.column:
+        return line
+    return line[site.column - 1 : site.end_column - 1].strip() or line
+
+
 def _receiver(line: str, op: str, fallback: str) -> str:
     base, _ = _base(op)
     for pattern in (rf"([A-Za-z_][\w.]*)\.{re.escape(base)}\b", r"([A-Za-z_][\w.]*)\s*[-+*/@]+=", r"([A-Za-z_]\w*)\["):
@@ -176,7 +184,7 @@ def _finding(root: str, f: Any, count: int) -> Diagnostic:
         label = f"{f.op} writes into `{arg}`" + (f", through {writer}" if writer else "")
     if count > 1:
         notes.append((f"the same write, seen {count} times", None))
-    fix = pytorch_fix(f.code, f.op, _source(site), "x" if f.code == "E0502" else arg, writer)
+    fix = pytorch_fix(f.code, f.op, _under(site), "x" if f.code == "E0502" else arg, writer)
     fix = fix.split(", or `.clone()`")[0] if f.code == "E0502" else fix  # one line, at 80 columns
     return Diagnostic("error", f.code, title, site, label, tuple(notes), f"{fix}; {RUST_HELP[f.code]}", count, f)
 

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import _engine_run_backward
 
+from . import sites
 from .allow import Allows, source_files
 from .children import Children, dump
 from .frames import MoveTracer, holders, location, user_frame
@@ -293,6 +294,7 @@ class AuditScope:
     def _merge(self, records: List[Dict[str, Any]]) -> None:
         for r in records:
             self.workers.setdefault(r["kind"], set()).add(r["pid"])
+            sites.restore(r["sites"])  # the carets' columns, the user's line that called a library
             self.allows.watch(r["files"])
             if r["report"] is None:
                 self.not_audited[r["module"]] = self.not_audited.get(r["module"], 0) + 1

@@ -12,11 +12,11 @@ import os
 import sys
 import sysconfig
 from types import CodeType, FrameType
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 from . import frames
 
-__all__ = ["Site", "entry", "is_library", "resolve", "write_site"]
+__all__ = ["Site", "entry", "export", "is_library", "resolve", "restore", "write_site"]
 
 # where -> (column, end column), 1-based, end exclusive: from the frame's co_positions at the write
 _COLUMNS: Dict[str, Tuple[int, int]] = {}
@@ -146,3 +146,37 @@ def resolve(where: Optional[str]) -> Optional[Site]:
     column, end = _COLUMNS.get(where, (None, None))
     shown = relative(file) if os.path.isabs(file) else short
     return Site(file, short if os.path.isabs(shown) else shown, int(line), column, end)
+
+
+def export(wheres: Iterable[Optional[str]]) -> Dict[str, Dict[str, Any]]:
+    """What this process knows of each ``where`` (its real file, its caret's columns, the user's
+    line that called into a library), for a parent process to :func:`restore`: a worker's
+    finding then renders as the same finding made in the parent."""
+    out: Dict[str, Dict[str, Any]] = {}
+    todo = [w for w in wheres if w]
+    while todo:
+        where = todo.pop()
+        if where in out or ":" not in where:
+            continue
+        short = where.rpartition(":")[0]
+        known: Dict[str, Any] = {"file": _file_of(short)}
+        if where in _COLUMNS:
+            known["columns"] = list(_COLUMNS[where])
+        if where in _ENTRIES:
+            known["entry"] = _ENTRIES[where]
+            todo.append(_ENTRIES[where])
+        out[where] = known
+    return out
+
+
+def restore(known: Dict[str, Dict[str, Any]]) -> None:
+    """Takes in what :func:`export` gave in another process (what this one knows already stays)."""
+    for where, k in known.items():
+        file, short = k.get("file"), where.rpartition(":")[0]
+        if isinstance(file, str) and os.path.isabs(file):
+            frames._SHORT.setdefault(file, short)
+        columns = k.get("columns")
+        if isinstance(columns, list) and len(columns) == 2 and all(isinstance(c, int) for c in columns):
+            _COLUMNS.setdefault(where, (columns[0], columns[1]))
+        if isinstance(k.get("entry"), str):
+            _ENTRIES.setdefault(where, k["entry"])
