@@ -214,3 +214,21 @@ def test_audit_of_what_torch_compile_returned_audits_its_code_and_leaves_the_gra
             assert report.clean  # scale writes into a clone
     # no global hook left behind (torch would warn at every later compiled module's call)
     assert not torch_module._has_any_global_hook()
+
+
+class Twice(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.net(t) + self.net(t * 2)
+
+
+def test_an_export_strict_or_not_is_one_call_and_its_graph_is_the_plain_ones():
+    net, x = _net(), torch.ones(3, 8)
+    plain = [str(torch.export.export(Twice(net), (x,), strict=strict).graph) for strict in (False, True)]
+    with AuditScope() as scope:
+        audited = [str(torch.export.export(Twice(net), (x,), strict=strict).graph) for strict in (False, True)]
+    assert audited == plain
+    assert scope.calls == [] and scope.not_audited == {EXPORT: 2}
