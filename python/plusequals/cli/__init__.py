@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from .helptext import PhraseFormatter
+
 _AUDIT_USAGE = (
     "python -m plusequals audit run [options] (SCRIPT | -m MODULE) [ARGS...]\n"
     "       python -m plusequals audit [--models] [--markdown] [--json]"
@@ -16,6 +18,7 @@ def _add_audit(sub: Any) -> None:
     audit = sub.add_parser(
         "audit",
         usage=_AUDIT_USAGE,
+        formatter_class=PhraseFormatter,
         help="'audit run SCRIPT': rustc's verdicts on your PyTorch program; 'audit': on the project's code",
         description="python -m plusequals audit run [options] SCRIPT [ARGS...] (or -m MODULE) runs your program "
         "and audits every outermost nn.Module call it makes: see audit run --help. Without run: the borrow "

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..audit.diagnostics import build, render
 from ..audit.sarif import to_json, to_sarif
 from ..audit.scope import AuditScope
+from .helptext import PhraseFormatter
 
 _VALUED = ("--format", "--output", "-o", "--root")
 
@@ -31,6 +32,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m plusequals audit run",
         usage="%(prog)s [options] (SCRIPT | -m MODULE) [ARGS...]",
+        formatter_class=PhraseFormatter,
         description="Runs a program as __main__ with its own sys.argv (as python -m cProfile does) and audits "
         "every outermost nn.Module call it makes: rustc's verdicts E0596, E0382, E0502, E0499, with their lines.",
         epilog="The program's output is its own; the audit's goes to --output FILE, else to stderr. Exit status: "
