@@ -28,7 +28,7 @@ def replace_block(text: str, name: str, body: str) -> str:
 
 
 def main(which: list) -> None:
-    from plusequals.audit import corpus, sweep
+    from plusequals.cases import corpus, sweep
 
     text = PAGE.read_text()
     if not which or "corpus" in which:

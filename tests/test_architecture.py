@@ -3,7 +3,8 @@ small, the stubs match the built extension, and errors are classes with attribut
 
 * No import cycle among the package's modules, imports inside functions included (``from .. import
   _rust`` is an edge to the submodule; taking names from a package's ``__init__`` is an edge to it).
-* No function over 80 lines, no module over 600, in ``python/plusequals`` (Rust: tests/architecture.rs).
+* No function over 80 lines in ``python/plusequals`` (Rust: tests/architecture.rs). A module's length
+  is not capped: a big module that reads as one concept stays one module.
 * ``_rust.pyi`` matches ``plusequals._rust`` (mypy's stubtest).
 """
 
@@ -18,7 +19,6 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "plusequals"
 MAX_FUNCTION_LINES = 80
-MAX_MODULE_LINES = 600
 
 
 def module_name(path: Path) -> str:
@@ -103,9 +103,6 @@ def test_the_cycle_finder_finds_a_cycle():
 def too_long() -> list[str]:
     out = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        lines = path.read_text().count("\n")
-        if lines > MAX_MODULE_LINES:
-            out.append(f"{path.relative_to(PACKAGE)}: {lines} lines")
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
@@ -114,7 +111,7 @@ def too_long() -> list[str]:
     return out
 
 
-def test_no_long_functions_or_modules():
+def test_no_long_functions():
     assert too_long() == []
 
 

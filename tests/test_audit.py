@@ -23,8 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from plusequals.audit import AuditReport, audit, cases
+from plusequals.audit import AuditReport, audit
 from plusequals.audit.frames import short_path
+from plusequals.cases import project as cases
 from plusequals.model.blocks import STRATEGIES
 from plusequals.model.bugs import VERSION_COUNTER
 
@@ -579,14 +580,15 @@ def test_non_reentrant_checkpointing_saves_under_hooks_and_is_a_move_only():
 
 
 def test_plusequals_audit_is_the_function_and_the_package():
-    """Issue 33: ``plusequals.audit`` is a plain function (no callable module); the package's
-    modules still import as ``plusequals.audit.cases``."""
+    """``plusequals.audit`` is a plain function (no callable module); the package's modules still
+    import as ``plusequals.audit.report``."""
     import inspect
 
     import plusequals
-    from plusequals.audit import cases as imported
+    from plusequals.audit import report as imported
 
     report = plusequals.audit(Writer(lambda t: t, WRITES["add_"][0]), torch.randn(3))
     assert isinstance(report, plusequals.AuditReport) and report.codes == ["E0596"]
-    assert plusequals.audit is audit and inspect.isfunction(plusequals.audit) and imported is cases
+    assert plusequals.audit is audit and inspect.isfunction(plusequals.audit)
+    assert imported.AuditReport is plusequals.AuditReport
     assert inspect.signature(plusequals.audit).return_annotation in ("AuditReport", plusequals.AuditReport)

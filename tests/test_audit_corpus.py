@@ -1,6 +1,6 @@
-"""The audit on real bugs (issues 31 and 41): twenty in-place and aliasing bugs from public issues,
+"""The audit on real bugs: twenty in-place and aliasing bugs from public issues,
 each a minimal module with the original's structure and its fixed twin
-(``plusequals/audit/corpus.py``, with the URLs). Each bug must be found at the line its fix
+(``plusequals/cases/corpus.py``, with the URLs). Each bug must be found at the line its fix
 changed or at the read that broke; each fixed twin must give no finding.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from plusequals.audit import corpus
+from plusequals.cases import corpus
 
 
 def readme_block(name: str) -> str:

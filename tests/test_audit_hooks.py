@@ -175,7 +175,7 @@ def test_an_audited_unet_with_rust_blocks_runs_them_and_is_clean():
     see a twin as one module."""
     pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
     from plusequals import swap_transformer_blocks
-    from plusequals.audit import cases
+    from plusequals.cases import project as cases
 
     unet, inputs = cases.tiny_unet(0, patched=False)
     swap_transformer_blocks(unet)

@@ -1,5 +1,5 @@
 """The false-positive sweep: popular models, forward and backward in train mode, must give no
-finding (``plusequals/audit/sweep.py``), and each checks its row of the guide's table, which must
+finding (``plusequals/cases/sweep.py``), and each checks its row of the guide's table, which must
 list every model once. ``make test`` runs one model of each architecture (``sweep.representatives``:
 17 torchvision code families, every transformers and diffusers model); the others carry the
 ``sweep`` marker, which ``make test`` leaves out and ``make sweep`` runs, after regenerating the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from plusequals.audit import sweep
+from plusequals.cases import sweep
 from test_audit_corpus import readme_block
 
 pytest.importorskip("torchvision", reason="the sweep needs torchvision (the test extra)")

@@ -1,5 +1,5 @@
 """The seed's bugs under torch.compile (Inductor, default mode, CPU): each strategy's outcome is
-derived again and compared with ``compiled_bugs.COMPILED``, the table the README's torch.compile
+derived again and compared with ``compiled.COMPILED``, the table the README's torch.compile
 cells are rendered from. Two compiles per strategy (the UNet level under ``no_grad``, the
 textual-inversion step), tiny shapes, static shapes; Inductor's cache in conftest's
 ``inductor_cache_dir``, set per test."""
@@ -12,7 +12,7 @@ from torch._inductor.utils import clear_caches
 
 from conftest import inductor_cache_dir
 from plusequals import STRATEGIES
-from plusequals.bench import compiled_bugs as cb
+from plusequals.cases import compiled as cb
 from plusequals.model import bugs
 
 README = Path(__file__).resolve().parents[1] / "docs/guide/bugs.md"  # the bugs' page of the guide
@@ -79,7 +79,7 @@ def test_the_readme_table_is_generated_from_the_compiled_table():
 
 
 def test_the_readme_bug_table_has_a_torch_compile_column_from_the_table():
-    """The "## The bugs" table's torch.compile column: each cell is ``compiled_bugs.bug_cells``'."""
+    """The "## The bugs" table's torch.compile column: each cell is ``compiled.bug_cells``'."""
     text = README.read_text()
     table = text[text.index("| bug | PyTorch behaviour") :].split("\n\n", 1)[0].splitlines()
     header = [c.strip() for c in table[0].strip("|").split("|")]

@@ -22,7 +22,7 @@ from torch import nn
 
 from conftest import examples, randomize_, rel_err
 from plusequals import CppBlock, RustBlock, RustTransformerBlock, UnsupportedBlockError, swap_transformer_blocks
-from plusequals.audit.cases import TINY_UNET
+from plusequals.cases.project import TINY_UNET
 
 diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
 from diffusers.models.attention import BasicTransformerBlock  # noqa: E402

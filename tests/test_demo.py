@@ -34,6 +34,22 @@ def test_demo_fails_when_an_expectation_fails(monkeypatch):
     assert demo.run(skip_compile_fail=True) == 1
 
 
+def test_an_installed_package_runs_every_section_but_rustcs_and_says_why(monkeypatch, tmp_path):
+    """Installed, the package has no source checkout: the demo reads nothing from one, skips only
+    rustc's section (it compiles tests/ui against the crate's source), says so, and exits 0."""
+    from rich.console import Console
+
+    assert demo.checkout()  # the tests run from a checkout
+    monkeypatch.setattr(demo, "REPO", tmp_path / "site-packages")
+    monkeypatch.setattr(demo, "UI", tmp_path / "site-packages" / "tests" / "ui")
+    assert not demo.checkout()
+    console = Console(width=120, record=True, color_system=None)
+    assert demo.run(console=console) == 0
+    text = " ".join(console.export_text().split())
+    assert "skipped: rustc compiles the cases (tests/ui) against the crate's source, which only a source" in text
+    assert "UNEXPECTED" not in text and "6. The borrow checker's verdict" in text
+
+
 def test_demo_reads_at_80_columns():
     """At 80 columns every table becomes one block per row (name and verdict on one line, the
     other cells indented below), so no cell is squeezed to a word per line: no table borders, no

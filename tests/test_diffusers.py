@@ -23,7 +23,7 @@ from torch import nn
 import plusequals
 from conftest import cuda, randomize_, rel_err
 from plusequals import RustTransformerBlock, SwapHandle, UnsupportedBlockError, swap_transformer_blocks
-from plusequals.audit.cases import TINY_UNET
+from plusequals.cases.project import TINY_UNET
 
 TOL = 1e-5
 

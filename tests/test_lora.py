@@ -20,7 +20,7 @@ from torch import nn
 
 from conftest import examples, randomize_, rel_err
 from plusequals import BasicTransformerBlock, CppBlock, RustBlock, RustTransformerBlock, UnsupportedBlockError
-from plusequals.audit.cases import TINY_UNET
+from plusequals.cases.project import TINY_UNET
 
 peft = pytest.importorskip("peft", reason="needs the optional extra plusequals[diffusers]")
 diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")

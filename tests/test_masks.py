@@ -20,7 +20,7 @@ from torch import nn
 
 from conftest import examples, randomize_, rel_err
 from plusequals import BasicTransformerBlock, CppBlock, RustBlock, RustTransformerBlock, UnsupportedBlockError
-from plusequals.audit.cases import TINY_UNET
+from plusequals.cases.project import TINY_UNET
 
 DIM, HEADS, D_HEAD, CTX = 32, 4, 8, 24
 TOL = 1e-5

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from conftest import examples, randomize_, rel_err
 from plusequals import RustTransformerBlock, UnsupportedBlockError, swap_transformer_blocks
-from plusequals.audit.cases import TINY_UNET
+from plusequals.cases.project import TINY_UNET
 
 diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
 from diffusers.loaders import IPAdapterMixin  # noqa: E402

@@ -3,8 +3,9 @@
 The package mirrors the parts: :mod:`plusequals.model` (the PyTorch block and its twins that need
 no Rust), :mod:`plusequals.twin` (the bridge to the Rust and C++ twins), :mod:`plusequals.bench`
 (measure, analyse, render), :mod:`plusequals.audit` (rustc's verdicts on PyTorch code, at run
-time) and :mod:`plusequals.cli` (``python -m plusequals``). The exception
-classes are made in Rust and re-exported here (:mod:`plusequals.errors`).
+time), :mod:`plusequals.cases` (what the audit and the benchmarks run on) and :mod:`plusequals.cli`
+(``python -m plusequals``). The exception classes are made in Rust and re-exported here
+(:mod:`plusequals.errors`).
 
 Import torch before the extension: ``plusequals._rust`` unwraps ``torch.Tensor`` objects and
 needs torch's Python classes registered.

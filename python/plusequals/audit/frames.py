@@ -39,10 +39,8 @@ __all__ = [
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# the audit's machinery: every module of the package but its harnesses, whose models are user code
-# (the project's cases in cases.py, the real bugs in corpus.py and corpus_more.py)
-_HARNESSES = ("cases.py", "corpus.py", "corpus_more.py")
-_AUDIT = frozenset(os.path.join(_HERE, f) for f in os.listdir(_HERE) if f.endswith(".py") and f not in _HARNESSES)
+# the audit's machinery: every module of this package (what it audits is elsewhere)
+_AUDIT = frozenset(os.path.join(_HERE, f) for f in os.listdir(_HERE) if f.endswith(".py"))
 
 
 def is_user(frame: FrameType) -> bool:

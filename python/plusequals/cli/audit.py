@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 from rich.console import Console
 
 from ..audit import AuditReport, Finding
-from ..audit import cases as C
+from ..cases import project as C
 from .terminal import Rows
 
 

@@ -6,7 +6,7 @@ backward, or never), and to a UNet level that keeps the block's input for its sk
 ``COMPILED`` states what was measured with torch 2.11.0; ``tests/test_compiled_bugs.py``
 derives each outcome again and compares, and the README's torch.compile cells are rendered from
 it (:func:`markdown`). The harnesses are ``plusequals.model.bugs``' and
-``plusequals.audit.cases.SkipHarness``, the same ones the eager tests and the audit use.
+``plusequals.cases.project.SkipHarness``, the same ones the eager tests and the audit use.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..audit.cases import SkipHarness
 from ..model.blocks import STRATEGIES
 from ..model.bugs import EXPECTED, LEAF, OUT_NO_AUTOGRAD, VERSION_COUNTER, VIEW_OF_LEAF, small_block
+from .project import SkipHarness
 
 # When a compiled textual-inversion step raises.
 NEVER, COMPILE, FORWARD, BACKWARD = "never", "compile", "forward", "backward"
@@ -88,7 +88,7 @@ class Inference:
 
 
 def inference(strategy: str, seed: int = 0) -> Inference:
-    """A UNet level (``audit.cases.SkipHarness`` with the caller's ``x`` fed straight to the
+    """A UNet level (``project.SkipHarness`` with the caller's ``x`` fed straight to the
     block, so ``skip = x``: ``return block(x) + skip``) compiled as a whole, grad off: one
     compile answers whether the caller's tensor is written and what the skip reads. Compared
     with the same level run eagerly on a copy."""
