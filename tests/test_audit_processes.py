@@ -151,3 +151,58 @@ def test_hogwild_trainers_are_audited_and_reported_by_the_parent(tmp_path, how):
     assert "  --> hogwild.py:10:9\n" in err and "   = note: the same write, seen 6 times\n" in err
     assert f"note: 6 of these calls ran in 2 {how}ed worker processes\n" in err
     assert err.rstrip().endswith("error: 1 error (E0596) in 6 audited calls")
+
+
+TORCHVISION = """\
+import sys
+
+import torch
+import torchvision.transforms as T
+from torch.utils.data import DataLoader, Dataset
+
+
+class Images(Dataset):
+    def __init__(self):
+        self.images = torch.rand(4, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+        self.norm = T.Normalize((0.5,) * 3, (0.25,) * 3, inplace=True)
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return self.norm(self.images[i])
+
+
+if __name__ == "__main__":
+    print([b.sum().item() for b in DataLoader(Images(), batch_size=2, num_workers=int(sys.argv[1]))])
+"""
+
+
+def test_a_workers_library_write_is_placed_at_the_users_line_in_sarif(tmp_path):
+    """torchvision's ``Normalize(inplace=True)`` in forked workers, audited from a subfolder of a
+    git repository: each SARIF result lies at the user's line that called into torchvision (what
+    the worker knew of the library's caller), as without workers; it used to have no location."""
+    import json
+
+    import jsonschema
+
+    pytest.importorskip("torchvision")
+    schema = json.loads((Path(__file__).parent / "data" / "sarif-schema-2.1.0.json").read_text())
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "images.py").write_text(TORCHVISION)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    logs = []
+    for workers in ("0", "2"):
+        out = f"out{workers}.sarif"
+        proc = _run(
+            tmp_path / "src", "-m", "plusequals", "audit", "run", "--format", "sarif", "-o", out, "images.py", workers
+        )
+        assert proc.returncode == 1, proc.stderr
+        logs.append(json.loads((tmp_path / "src" / out).read_text()))
+        jsonschema.validate(logs[-1], schema)
+    (alone,), (forked,) = [log["runs"] for log in logs]
+    assert alone["results"] and forked["results"] == alone["results"]
+    for result in forked["results"]:
+        (location,) = result["locations"]
+        assert location["physicalLocation"]["artifactLocation"] == {"uri": "src/images.py", "uriBaseId": "%SRCROOT%"}
+        assert location["physicalLocation"]["region"]["startLine"] == 17
