@@ -11,6 +11,7 @@ small, the stubs match the built extension, and errors are classes with attribut
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,18 @@ def too_long() -> list[str]:
 
 def test_no_long_functions():
     assert too_long() == []
+
+
+def test_the_public_api_is_what_the_readme_and_the_guide_use():
+    """``plusequals.__all__`` is at most 15 names, each used in README.md or docs/guide/; the rest is
+    imported from its subpackage."""
+    import plusequals
+
+    root = PACKAGE.parents[1]
+    docs = (root / "README.md").read_text() + "".join(p.read_text() for p in (root / "docs" / "guide").glob("*.md"))
+    assert len(plusequals.__all__) <= 15, plusequals.__all__
+    assert [n for n in plusequals.__all__ if not re.search(rf"\b{re.escape(n)}\b", docs)] == []
+    assert all(getattr(plusequals, n) is not None for n in plusequals.__all__)
 
 
 def test_the_stub_matches_the_built_extension(tmp_path):

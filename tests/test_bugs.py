@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from conftest import make_inputs
-from plusequals import STRATEGIES, OwnershipError
+from plusequals import OwnershipError
 from plusequals.model import bugs
+from plusequals.model.blocks import STRATEGIES
 
 SAFE_FOR_CALLER = {"op_plus_x", "x_plus_op", "first_out_of_place", "preallocated"}
 

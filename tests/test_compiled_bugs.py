@@ -11,9 +11,9 @@ import pytest
 from torch._inductor.utils import clear_caches
 
 from conftest import inductor_cache_dir
-from plusequals import STRATEGIES
 from plusequals.cases import compiled as cb
 from plusequals.model import bugs
+from plusequals.model.blocks import STRATEGIES
 
 README = Path(__file__).resolve().parents[1] / "docs/guide/bugs.md"  # the bugs' page of the guide
 

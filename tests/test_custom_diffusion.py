@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conftest import examples, randomize_, rel_err
-from plusequals import CppBlock, RustBlock, RustTransformerBlock, UnsupportedBlockError, swap_transformer_blocks
+from plusequals import CppBlock, RustBlock, UnsupportedBlockError, swap_transformer_blocks
 from plusequals.cases.project import TINY_UNET
+from plusequals.twin.swap import RustTransformerBlock
 
 diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
 from diffusers.models.attention import BasicTransformerBlock  # noqa: E402

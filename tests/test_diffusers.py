@@ -22,8 +22,9 @@ from torch import nn
 
 import plusequals
 from conftest import cuda, randomize_, rel_err
-from plusequals import RustTransformerBlock, SwapHandle, UnsupportedBlockError, swap_transformer_blocks
+from plusequals import UnsupportedBlockError, swap_transformer_blocks
 from plusequals.cases.project import TINY_UNET
+from plusequals.twin.swap import RustTransformerBlock, SwapHandle, unswap_transformer_blocks
 
 TOL = 1e-5
 
@@ -105,7 +106,7 @@ def test_swapped_unet_matches_and_undo_restores(diffusers, owned):
         assert got.shape == expected.shape == (2, 4, 16, 16)
         assert torch.equal(got, expected)  # the same ops in the same order
 
-        plusequals.unswap_transformer_blocks(handle)
+        unswap_transformer_blocks(handle)
         assert not handle.active
         assert all(m is block for m, (_, block) in zip(modules_at(unet, handle.paths), originals))
         assert torch.equal(run(unet, inputs), expected)

@@ -149,7 +149,7 @@ def outcome(f):
     twin_kind=st.sampled_from(["swap", "rust", "cpp"]),
 )
 def test_whatever_diffusers_computes_runs_bitwise_or_is_a_named_refusal(kind, n_adapters, mask, owned, twin_kind):
-    from plusequals import RustTransformerBlock
+    from plusequals.twin.swap import RustTransformerBlock
 
     reference = diffusers_block(n_adapters)
     x, context, m = call_args(kind, n_adapters, mask)

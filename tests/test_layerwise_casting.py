@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import examples, rel_err
-from plusequals import RustBlock, RustTransformerBlock, UnsupportedBlockError, swap_transformer_blocks
+from plusequals import RustBlock, UnsupportedBlockError, swap_transformer_blocks
+from plusequals.twin.swap import RustTransformerBlock
 
 pytest.importorskip("peft", reason="needs the optional extra plusequals[diffusers]")
 pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conftest import examples, randomize_, rel_err
-from plusequals import BasicTransformerBlock, CppBlock, RustBlock, RustTransformerBlock, UnsupportedBlockError
+from plusequals import BasicTransformerBlock, CppBlock, RustBlock, UnsupportedBlockError
 from plusequals.cases.project import TINY_UNET
+from plusequals.twin.swap import RustTransformerBlock
 
 peft = pytest.importorskip("peft", reason="needs the optional extra plusequals[diffusers]")
 diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conftest import examples, randomize_, rel_err
-from plusequals import BasicTransformerBlock, CppBlock, RustBlock, RustTransformerBlock, UnsupportedBlockError
+from plusequals import BasicTransformerBlock, CppBlock, RustBlock, UnsupportedBlockError
 from plusequals.cases.project import TINY_UNET
+from plusequals.twin.swap import RustTransformerBlock
 
 DIM, HEADS, D_HEAD, CTX = 32, 4, 8, 24
 TOL = 1e-5

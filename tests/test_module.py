@@ -279,7 +279,7 @@ def _swapped(seed=0):
     diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
     from diffusers.models.attention import BasicTransformerBlock as DiffusersBlock
 
-    from plusequals import RustTransformerBlock
+    from plusequals.twin.swap import RustTransformerBlock
 
     block = randomize_(DiffusersBlock(80, 8, 10, cross_attention_dim=192), seed=seed).eval()
     assert diffusers is not None

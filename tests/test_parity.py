@@ -8,7 +8,8 @@ import torch
 
 import compvis_reference
 from conftest import BATCH, CONTEXT, SHAPES, cuda, make_block, make_inputs, rel_err
-from plusequals import STRATEGIES, BasicTransformerBlock, RustBlock
+from plusequals import BasicTransformerBlock, RustBlock
+from plusequals.model.blocks import STRATEGIES
 
 TOL = 1e-5
 

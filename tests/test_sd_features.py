@@ -23,8 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import examples, randomize_, rel_err
-from plusequals import RustTransformerBlock, UnsupportedBlockError, swap_transformer_blocks
+from plusequals import UnsupportedBlockError, swap_transformer_blocks
 from plusequals.cases.project import TINY_UNET
+from plusequals.twin.swap import RustTransformerBlock
 
 diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
 from diffusers.loaders import IPAdapterMixin  # noqa: E402

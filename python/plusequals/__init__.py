@@ -13,8 +13,6 @@ needs torch's Python classes registered.
 
 import torch  # noqa: F401  (must precede the extension)
 
-# plusequals.audit is the function (it shadows its package's attribute: `from plusequals.audit import
-# cases` still imports the package's modules, through sys.modules)
 from .audit import AuditReport, Finding, audit
 from .errors import (
     DonationConsumed,
@@ -24,41 +22,29 @@ from .errors import (
     UseAfterDonation,
     WeightsChanged,
 )
-from .model.blocks import GEGLU, STRATEGIES, BasicTransformerBlock, CrossAttention, FeedForward
+from .model.blocks import BasicTransformerBlock
 from .twin.block import CppBlock, RustBlock
-from .twin.config import BlockConfig
 from .twin.donated import DonatedTensor
-from .twin.swap import (  # imports diffusers only when called: diffusers stays optional
-    RustTransformerBlock,
-    SwapHandle,
-    sd_v1_unet_config,
-    swap_transformer_blocks,
-    unswap_transformer_blocks,
-)
+from .twin.swap import sd_v1_unet_config, swap_transformer_blocks  # diffusers is imported only when called
 
+# What the README and the guide use: the block, its twins, the swap, the audit and its report, the
+# errors. The rest is imported from its subpackage (plusequals.model.blocks.STRATEGIES,
+# plusequals.twin.config.BlockConfig, plusequals.twin.swap.SwapHandle, ...).
 __all__ = [
-    "STRATEGIES",
     "AuditReport",
     "BasicTransformerBlock",
-    "BlockConfig",
     "CppBlock",
-    "CrossAttention",
     "DonatedTensor",
     "DonationConsumed",
-    "FeedForward",
     "Finding",
-    "GEGLU",
     "OwnershipError",
     "RustBlock",
-    "RustTransformerBlock",
     "StaleBlock",
-    "SwapHandle",
     "UnsupportedBlockError",
     "UseAfterDonation",
     "WeightsChanged",
     "audit",
     "sd_v1_unet_config",
     "swap_transformer_blocks",
-    "unswap_transformer_blocks",
 ]
 __version__ = "0.1.0"
