@@ -3,6 +3,8 @@ small, the stubs match the built extension, and errors are classes with attribut
 
 * No import cycle among the package's modules, imports inside functions included (``from .. import
   _rust`` is an edge to the submodule; taking names from a package's ``__init__`` is an edge to it).
+* Every import points down docs/architecture.md's layers (:data:`LAYERS`), and ``model`` and the
+  audit import nothing else of the package.
 * No function over 80 lines in ``python/plusequals`` (Rust: tests/architecture.rs). A module's length
   is not capped: a big module that reads as one concept stays one module.
 * ``_rust.pyi`` matches ``plusequals._rust`` (mypy's stubtest).
@@ -20,6 +22,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "plusequals"
 MAX_FUNCTION_LINES = 80
+# docs/architecture.md's layers, bottom first: a module imports only from its own layer or one below.
+# The package itself (its __init__, re-exporting) and __main__ are the top.
+LAYERS = ("_rust", "errors", "model", "twin", "audit", "cases", "bench", "cli")
+ALONE = ("model", "audit")  # import nothing of the package but themselves
 
 
 def module_name(path: Path) -> str:
@@ -99,6 +105,42 @@ def test_no_import_cycles():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def layer(module: str) -> int:
+    """The layer of a module of the package (its subpackage or top-level module)."""
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else len(LAYERS)
+
+
+def against_the_layers(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that points up the layers, or out of a layer that imports nothing else."""
+    out = []
+    for a, targets in sorted(graph.items()):
+        for b in sorted(targets):
+            if layer(b) > layer(a) or (layer(a) < len(LAYERS) and LAYERS[layer(a)] in ALONE and layer(b) != layer(a)):
+                out.append(f"{a} -> {b}")
+    return out
+
+
+def test_imports_point_down_the_layers():
+    graph = import_graph()
+    assert {"plusequals.audit", "plusequals.model.blocks"} <= graph["plusequals.cases.project"]
+    assert against_the_layers(graph) == []
+
+
+def test_the_layer_check_finds_an_import_up_or_out():
+    graph = {
+        "plusequals.model.blocks": {"plusequals.twin.block"},  # up
+        "plusequals.audit.scope": {"plusequals.errors"},  # down, but the audit imports nothing else
+        "plusequals.cli.demo": {"plusequals.twin.block", "plusequals.cli.terminal"},  # down, and within
+        "plusequals.twin.block": {"plusequals"},  # the package's __init__ is the top
+    }
+    assert against_the_layers(graph) == [
+        "plusequals.audit.scope -> plusequals.errors",
+        "plusequals.model.blocks -> plusequals.twin.block",
+        "plusequals.twin.block -> plusequals",
+    ]
 
 
 def too_long() -> list[str]:
