@@ -238,31 +238,42 @@ def build_tensor(spec, batch: int, width: int, dtype: torch.dtype):
         if flat.numel():
             flat[pos % flat.numel()] = SPECIALS[name]
     t = t.to(DTYPES[arg % len(DTYPES)] if off == "dtype" else dtype)
-    fresh = True
     if spec["requires_grad"] and (t.dtype.is_floating_point or t.dtype.is_complex) and off not in ("mkldnn", "nested"):
         t.requires_grad_(True)
-    layout = spec["layout"]
-    if layout == "transposed":  # same values, strides of a (b, w, n) tensor
-        t, fresh = t.transpose(1, 2).contiguous().transpose(1, 2), False
-    elif layout == "expanded":  # stride 0 along the tokens
-        t, fresh = t[:, :1].expand(b, n, w), False
-    elif layout == "sliced":  # every other element of a wider buffer
-        t, fresh = t.repeat(1, 1, 2)[..., ::2], False
-    if off == "rank2":
-        t, fresh = t.reshape(b * n, w), False
-    elif off == "rank4":
-        t, fresh = t[None], False
-    elif off == "rank0":
-        t = t.sum()
-    elif off == "meta":
-        t = t.detach().to("meta")
-    elif off == "sparse":
-        t = t.detach().to_sparse()
-    elif off == "mkldnn":
-        t = t.detach().float().contiguous().to_mkldnn()
-    elif off == "nested":
-        t = torch.nested.nested_tensor([u for u in t.detach().float()] or [torch.zeros(n, w)])
-    return t, fresh
+    t, dense = laid_out(t, spec["layout"])
+    t, same = offending_form(t, off)
+    return t, dense and same
+
+
+# The layouts of a valid tensor: the same values, another memory (none owns its storage densely)
+LAYOUTS = {
+    "transposed": lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),  # strides of a (b, w, n) tensor
+    "expanded": lambda t: t[:, :1].expand(t.shape),  # stride 0 along the tokens
+    "sliced": lambda t: t.repeat(1, 1, 2)[..., ::2],  # every other element of a wider buffer
+}
+# The offenses that change a tensor's form: (the change, whether the result still owns its storage)
+FORMS = {
+    "rank2": (lambda t: t.reshape(t.shape[0] * t.shape[1], t.shape[2]), False),
+    "rank4": (lambda t: t[None], False),
+    "rank0": (lambda t: t.sum(), True),
+    "meta": (lambda t: t.detach().to("meta"), True),
+    "sparse": (lambda t: t.detach().to_sparse(), True),
+    "mkldnn": (lambda t: t.detach().float().contiguous().to_mkldnn(), True),
+    "nested": (
+        lambda t: torch.nested.nested_tensor([u for u in t.detach().float()] or [torch.zeros(t.shape[1:])]),
+        True,
+    ),
+}
+
+
+def laid_out(t, layout: str):
+    """``t`` in ``layout``, and whether it still owns its storage alone, densely."""
+    return (LAYOUTS[layout](t), False) if layout in LAYOUTS else (t, True)
+
+
+def offending_form(t, off):
+    """``t`` changed as the offense ``off`` says, and whether that kept it donatable."""
+    return (FORMS[off][0](t), FORMS[off][1]) if off in FORMS else (t, True)
 
 
 def input_problems(t, role: str, block_kind: str, x_batch):
@@ -293,6 +304,26 @@ def input_problems(t, role: str, block_kind: str, x_batch):
     return problems
 
 
+def call_problems(x, c, kind: str, owned_under_grad: bool, donate: bool, x_fresh: bool):
+    """The contract for a call: the inputs', then what forward_owned adds (no input that requires
+    grad under grad mode; a donated x must own its storage and not be the context too)."""
+    problems = input_problems(x, "x", kind, None)
+    problems += input_problems(c, "context", kind, x.shape[0] if not problems else None)
+    plain = {role: t for role, t in (("x", x), ("context", c)) if is_plain(t)}
+    if owned_under_grad:
+        problems += [(role, "requires_grad") for role, t in plain.items() if t.requires_grad]
+    if donate and "x" in plain and not x_fresh:
+        problems.append(("x", "donate"))
+    elif donate and "x" in plain and c is x:
+        problems.append(("context", "donate"))
+    return problems
+
+
+def is_plain(t) -> bool:
+    """A tensor, not a donated one."""
+    return isinstance(t, torch.Tensor) and not isinstance(t, DonatedTensor)
+
+
 STATS: collections.Counter = collections.Counter()
 
 
@@ -306,19 +337,7 @@ def fuzz_call(spec, owned: bool) -> None:
         c, _ = build_tensor(spec["context"], batch, cfg["context_dim"] or DIM, cfg["dtype"])
     donate = owned and spec["donate"]
     mode = spec["grad_mode"]
-
-    problems = input_problems(x, "x", kind, None)
-    x_batch = x.shape[0] if not problems else None
-    problems += input_problems(c, "context", kind, x_batch)
-    if owned and mode == "grad":
-        for role, t in (("x", x), ("context", c)):
-            if isinstance(t, torch.Tensor) and not isinstance(t, DonatedTensor) and t.requires_grad:
-                problems.append((role, "requires_grad"))
-    if donate and isinstance(x, torch.Tensor) and not isinstance(x, DonatedTensor):
-        if not x_fresh:
-            problems.append(("x", "donate"))
-        elif c is x:
-            problems.append(("context", "donate"))
+    problems = call_problems(x, c, kind, owned and mode == "grad", donate, x_fresh)
 
     x_before, c_before = snapshot(x), snapshot(c)
     expected = None
@@ -517,6 +536,12 @@ def config_problems(cfg):
 
 
 def weight_problems(weights, cfg):
+    """The contract for a state_dict, in the order it is checked: each entry alone, then the
+    entries' dtypes and devices together, then the keys and shapes the config asks for."""
+    return entry_problems(weights) or dtype_problems(weights) or shape_problems(weights, cfg)
+
+
+def entry_problems(weights):
     problems = []
     for key, value in weights.items():
         if not isinstance(key, str):
@@ -527,8 +552,12 @@ def weight_problems(weights, cfg):
             problems.append((key, "donated"))
         elif value.is_nested or value.layout != torch.strided:
             problems.append((key, "layout"))
-    if problems:
-        return problems
+    return problems
+
+
+def dtype_problems(weights):
+    """One (dtype, device) for every weight, a floating one: the minority groups are named."""
+    problems = []
     groups = collections.defaultdict(list)
     for key, value in weights.items():
         groups[(value.dtype, value.device)].append(key)
@@ -540,6 +569,11 @@ def weight_problems(weights, cfg):
         return problems
     if groups and not next(iter(groups))[0].is_floating_point:
         return [(key, "dtype") for key in weights]
+    return problems
+
+
+def shape_problems(weights, cfg):
+    problems = []
     if config_problems(cfg):
         return problems
     shapes = expected_shapes(cfg["dim"], cfg["n_heads"], cfg["d_head"], cfg["context_dim"], cfg["gated_ff"])
@@ -575,43 +609,44 @@ def apply_weight_op(weights, op, i, j):
         weights[EXTRA_KEYS[j % len(EXTRA_KEYS)]] = torch.randn(3, DIM)
     elif op == "nonstr_key":
         weights[NONSTR_KEYS[j % len(NONSTR_KEYS)]] = torch.randn(DIM)
-    elif (
-        not isinstance(value, torch.Tensor)
-        or isinstance(value, DonatedTensor)
-        or value.is_nested
-        or value.layout != torch.strided
-    ):
+    elif not is_plain(value) or value.is_nested or value.layout != torch.strided:
         return
     elif value.device.type == "meta" and op in ("sparse", "nested", "noncontig", "expand", "nan"):
         return
-    elif op == "reshape":
-        shape = list(value.shape)
-        variants = [shape + [1], shape[::-1], [3], [2], [], [0]]
-        if shape:
-            variants[2:4] = [[shape[0] + 1] + shape[1:], shape[:-1] + [max(shape[-1] - 1, 0)]]
-        weights[key] = torch.randn(variants[j % len(variants)])
-    elif op == "dtype":
-        weights[key] = value.to(DTYPES[j % len(DTYPES)])
-    elif op == "meta":
-        weights[key] = value.to("meta")
-    elif op == "nontensor":
-        weights[key] = NON_TENSORS[j % len(NON_TENSORS)]
-    elif op == "sparse":
-        weights[key] = value.to_sparse()
-    elif op == "nested":
-        weights[key] = torch.nested.nested_tensor([value.reshape(-1, value.shape[-1]).float()])
-    elif op == "donated":
-        weights[key] = donated_tensor()
-    elif op == "noncontig":
-        weights[key] = torch.stack([value, value], dim=-1)[..., 0]  # same shape and values, strides doubled
-    elif op == "expand":
-        if value.dim() and value.numel():
-            weights[key] = value.reshape(-1)[:1].expand(value.shape)
-    elif op == "requires_grad":
-        weights[key] = value.detach().clone().requires_grad_(True)
-    elif op == "nan" and value.device.type == "cpu" and value.dtype.is_floating_point and value.numel():
-        value = weights[key] = value.clone()
-        value.view(-1)[j % value.numel()] = float("nan")
+    elif op in WEIGHT_CHANGES:
+        weights[key] = WEIGHT_CHANGES[op](value, j)
+
+
+def reshaped(value, j):
+    shape = list(value.shape)
+    variants = [shape + [1], shape[::-1], [3], [2], [], [0]]
+    if shape:
+        variants[2:4] = [[shape[0] + 1] + shape[1:], shape[:-1] + [max(shape[-1] - 1, 0)]]
+    return torch.randn(variants[j % len(variants)])
+
+
+def with_nan(value, j):
+    if value.device.type != "cpu" or not value.dtype.is_floating_point or not value.numel():
+        return value
+    value = value.clone()
+    value.view(-1)[j % value.numel()] = float("nan")
+    return value
+
+
+# What each op puts in a weight's place: (the weight, the op's second number) -> the new value
+WEIGHT_CHANGES = {
+    "reshape": reshaped,
+    "dtype": lambda value, j: value.to(DTYPES[j % len(DTYPES)]),
+    "meta": lambda value, j: value.to("meta"),
+    "nontensor": lambda value, j: NON_TENSORS[j % len(NON_TENSORS)],
+    "sparse": lambda value, j: value.to_sparse(),
+    "nested": lambda value, j: torch.nested.nested_tensor([value.reshape(-1, value.shape[-1]).float()]),
+    "donated": lambda value, j: donated_tensor(),
+    "noncontig": lambda value, j: torch.stack([value, value], dim=-1)[..., 0],  # same shape and values, strides doubled
+    "expand": lambda value, j: value.reshape(-1)[:1].expand(value.shape) if value.dim() and value.numel() else value,
+    "requires_grad": lambda value, j: value.detach().clone().requires_grad_(True),
+    "nan": with_nan,
+}
 
 
 def sweep_state_dicts(test):
@@ -730,34 +765,24 @@ from_torch_specs = st.fixed_dictionaries(
 def make_fuzz_module(spec):
     """The object to hand to from_torch, and its problems ([] when it is a valid block)."""
     kind = spec["object"]
-    dim, ctx = spec["dim"], spec["context_dim"]
-    if kind == "none":
-        return None, [("block", "type")]
-    if kind in ("dict", "str", "int"):
-        return {"dict": {}, "str": "block", "int": 3}[kind], [("block", "type")]
-    if kind == "state_dict":
-        return small_block().state_dict(), [("block", "type")]
-    if kind == "linear":
-        return nn.Linear(dim, dim), [("block", "type")]
-    if kind == "module":
-        return nn.Module(), [("block", "type")]
-    if kind == "cross_attention":
-        return small_block().attn1, [("block", "type")]
-    if kind == "rust_block":
-        return fuzz_block("cross")[1], [("block", "type")]
+    if kind in NOT_BLOCKS:
+        return NOT_BLOCKS[kind](spec), [("block", "type")]
     if kind == "compvis":  # another CompVis implementation: valid after a probe, refused by default
         from conftest import randomize_
 
         block = randomize_(
-            compvis_reference.BasicTransformerBlock(dim, spec["heads"], spec["d_head"], context_dim=ctx), spec["seed"]
+            compvis_reference.BasicTransformerBlock(
+                spec["dim"], spec["heads"], spec["d_head"], context_dim=spec["context_dim"]
+            ),
+            spec["seed"],
         ).eval()
         return block, [] if spec["trust"] else [("compvis_reference.BasicTransformerBlock", "value")]
 
     block = make_block(
-        dim,
+        spec["dim"],
         spec["heads"],
         spec["d_head"],
-        context_dim=ctx,
+        context_dim=spec["context_dim"],
         gated_ff=spec["gated"],
         seed=spec["seed"],
         attention=spec["attention"],
@@ -765,52 +790,104 @@ def make_fuzz_module(spec):
     ).to(spec["dtype"])
     params = sorted(block.named_parameters())
     key, p = params[spec["arg"] % len(params)]
-    owner = block.get_submodule(key.rsplit(".", 1)[0])
-    leaf = key.rsplit(".", 1)[1]
-    problems = []
-    op = spec["op"]
-    if op == "param_dtype":
-        p.data = p.data.to(torch.float32 if spec["dtype"] == torch.float64 else torch.float64)
-        problems = [(key, "dtype")]
-    elif op == "param_shape":
-        setattr(owner, leaf, nn.Parameter(torch.randn(*p.shape[:-1], p.shape[-1] + 1, dtype=spec["dtype"])))
-        problems = [(key, "shape")]
-    elif op == "param_meta":
-        setattr(owner, leaf, nn.Parameter(p.detach().to("meta")))
-        problems = [(key, "device")]
-    elif op == "extra_param":
-        block.register_parameter("extra", nn.Parameter(torch.zeros(dim, dtype=spec["dtype"])))
-        problems = [("extra", "key")]
-    elif op == "extra_sub_param":
-        block.attn1.register_parameter("temperature", nn.Parameter(torch.ones(1, dtype=spec["dtype"])))
-        problems = [("attn1.temperature", "key")]
-    elif op == "no_bias":
-        block.attn2.to_out[0].bias = None
-        problems = [("attn2.to_out.0.bias", "missing")]
-    elif op == "heads":  # both attentions re-split into other heads (scale to match): valid if they divide
-        heads = (1, 3, 4, 16)[spec["arg"] % 4]
-        inner = spec["heads"] * spec["d_head"]
-        for attn in (block.attn1, block.attn2):
-            attn.heads, attn.scale = heads, max(inner // heads, 1) ** -0.5
-        if inner % heads:
-            problems = [("attn1.to_q.weight", "shape"), ("heads", "shape"), ("d_head", "value")]
-    elif op == "attn2_heads":  # attn1 and attn2 disagree: the Rust block has one head count
-        block.attn2.heads = spec["heads"] * 2
-        problems = [("heads", "value")]
-    elif op == "scale":  # a softmax scale other than d_head ** -0.5: the Rust block derives it
-        (block.attn1 if spec["arg"] % 2 else block.attn2).scale = 1.0 / spec["d_head"]
-        problems = [("scale", "value")]
-    elif op == "frozen":
-        block.requires_grad_(False)
-    elif op == "train":
-        block.train()
+    change = BLOCK_CHANGES.get(spec["op"])
+    problems = change(block, spec, key, p) if change else []
     if spec["meta"]:
         block = block.to("meta")
-        if op == "param_dtype":  # p.data changed before: still the odd one out
-            pass
-        elif op == "param_meta":
+        if spec["op"] == "param_meta":  # on meta, a meta parameter is no longer the odd one out
             problems = []
     return block, problems
+
+
+# Objects that are not a block: from_torch refuses each as ("block", "type")
+NOT_BLOCKS = {
+    "none": lambda spec: None,
+    "dict": lambda spec: {},
+    "str": lambda spec: "block",
+    "int": lambda spec: 3,
+    "state_dict": lambda spec: small_block().state_dict(),
+    "linear": lambda spec: nn.Linear(spec["dim"], spec["dim"]),
+    "module": lambda spec: nn.Module(),
+    "cross_attention": lambda spec: small_block().attn1,
+    "rust_block": lambda spec: fuzz_block("cross")[1],
+}
+
+
+def _param_dtype(block, spec, key, p):
+    p.data = p.data.to(torch.float32 if spec["dtype"] == torch.float64 else torch.float64)
+    return [(key, "dtype")]
+
+
+def _replaced_param(block, key, value):
+    owner, leaf = key.rsplit(".", 1)
+    setattr(block.get_submodule(owner), leaf, nn.Parameter(value))
+
+
+def _param_shape(block, spec, key, p):
+    _replaced_param(block, key, torch.randn(*p.shape[:-1], p.shape[-1] + 1, dtype=spec["dtype"]))
+    return [(key, "shape")]
+
+
+def _param_meta(block, spec, key, p):
+    _replaced_param(block, key, p.detach().to("meta"))
+    return [(key, "device")]
+
+
+def _extra_param(block, spec, key, p):
+    block.register_parameter("extra", nn.Parameter(torch.zeros(spec["dim"], dtype=spec["dtype"])))
+    return [("extra", "key")]
+
+
+def _extra_sub_param(block, spec, key, p):
+    block.attn1.register_parameter("temperature", nn.Parameter(torch.ones(1, dtype=spec["dtype"])))
+    return [("attn1.temperature", "key")]
+
+
+def _no_bias(block, spec, key, p):
+    block.attn2.to_out[0].bias = None
+    return [("attn2.to_out.0.bias", "missing")]
+
+
+def _heads(block, spec, key, p):
+    """Both attentions re-split into other heads (scale to match): valid if they divide."""
+    heads = (1, 3, 4, 16)[spec["arg"] % 4]
+    inner = spec["heads"] * spec["d_head"]
+    for attn in (block.attn1, block.attn2):
+        attn.heads, attn.scale = heads, max(inner // heads, 1) ** -0.5
+    return [("attn1.to_q.weight", "shape"), ("heads", "shape"), ("d_head", "value")] if inner % heads else []
+
+
+def _attn2_heads(block, spec, key, p):
+    """attn1 and attn2 disagree: the Rust block has one head count."""
+    block.attn2.heads = spec["heads"] * 2
+    return [("heads", "value")]
+
+
+def _scale(block, spec, key, p):
+    """A softmax scale other than d_head ** -0.5: the Rust block derives it."""
+    (block.attn1 if spec["arg"] % 2 else block.attn2).scale = 1.0 / spec["d_head"]
+    return [("scale", "value")]
+
+
+# The changes to a valid block: (block, spec, a parameter's key, the parameter) -> its problems
+BLOCK_CHANGES = {
+    "param_dtype": _param_dtype,
+    "param_shape": _param_shape,
+    "param_meta": _param_meta,
+    "extra_param": _extra_param,
+    "extra_sub_param": _extra_sub_param,
+    "no_bias": _no_bias,
+    "heads": _heads,
+    "attn2_heads": _attn2_heads,
+    "scale": _scale,
+    "frozen": lambda block, spec, key, p: _valid(block.requires_grad_(False)),
+    "train": lambda block, spec, key, p: _valid(block.train()),
+}
+
+
+def _valid(block) -> list:
+    """A change that leaves the block valid: no problems."""
+    return []
 
 
 def sweep_modules(test):
