@@ -1,4 +1,4 @@
-"""What the audit costs on a resnet18 train step (issue 31): the report's cell
+"""What the audit costs on a resnet18 train step: the report's cell
 (``plusequals.bench.audit_cost``) alone, eager, anomaly mode, ``plusequals.audit(..., backward=True)``
 and a dispatch mode that does nothing, side by side, in interleaved rounds (the report's design,
 ``plusequals.bench.timing``), compared within each round (paired ratios).

@@ -1,4 +1,4 @@
-"""Regenerates the audit corpus and sweep tables of the guide's audit page (issue 31).
+"""Regenerates the audit corpus and sweep tables of the guide's audit page.
 
     python scripts/audit_tables.py            # both (the full sweep: about 2 minutes on 2 cores)
     python scripts/audit_tables.py corpus     # only the corpus

@@ -1,4 +1,4 @@
-"""Times a LoRA-adapted UNet step next to the plain one (issue 26), eager and with the transformer
+"""Times a LoRA-adapted UNet step next to the plain one, eager and with the transformer
 blocks swapped for Rust ones, in interleaved rounds like the report (plusequals.bench.timing).
 
     python scripts/lora_unet_step.py [--full] [--rounds N] [--rank R] [--device cpu|cuda]

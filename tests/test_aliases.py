@@ -228,7 +228,7 @@ _SAVED = {
     saved=st.lists(st.sampled_from(sorted(_SAVED)), max_size=2),
 )
 def test_the_other_handles_refusal_names_the_holder_that_applied(views, saved):
-    """Issue 35: ``other_handles`` says who holds the handle, from libtorch's counts: a view of
+    """``other_handles`` says who holds the handle, from libtorch's counts: a view of
     x that is alive (other tensors share its storage), else C++ code holding x itself (autograd's
     saved tensor), never the list of every possible cause."""
     assume(views or saved)

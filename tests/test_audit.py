@@ -1,4 +1,4 @@
-"""``plusequals.audit`` (issue 22): rustc's verdicts on PyTorch code, each with its line.
+"""``plusequals.audit``: rustc's verdicts on PyTorch code, each with its line.
 
 Each code and each way of writing is generated (hypothesis) and judged against an oracle that
 does not use the audit: whether the caller's tensor changed (E0596), whether a name holding it

@@ -1,4 +1,4 @@
-"""What a finding says (issue 33): rustc's diagnostic format, the same write in a loop once with
+"""What a finding says: rustc's diagnostic format, the same write in a loop once with
 its count, colour only on a terminal, allows, a ``where`` that is never the audit's caller, the
 PyTorch fix in the help, ``summary()`` and ``str(report)``; ``plusequals.audit`` a typed
 function (mypy, help())."""
@@ -89,7 +89,7 @@ INPLACE = [
 @given(which=st.integers(0, len(INPLACE) - 1), depth=st.integers(1, 3))
 def test_where_is_never_the_audits_caller_and_help_names_the_pytorch_fix(which, depth):
     """A Sequential's in-place child writes in torch's code, called by torch's code: the finding
-    points at that child's forward, not at this line (issue 33, item 10). First in the Sequential,
+    points at that child's forward, not at this line. First in the Sequential,
     it writes into the audited call's own argument (E0596); after the Linear, into a temporary
     (a move, whose ``where`` follows the same rule)."""
 
@@ -147,7 +147,7 @@ def test_colour_only_on_a_terminal():
 
 def test_moves_are_listed_only_when_asked():
     report = audit(nn.Linear(2, 2), torch.ones(2, 2))
-    report.moves = [Finding("move", "act", "model.py:3", "aten.relu_.default", "a move")]  # issue 31's records
+    report.moves = [Finding("move", "act", "model.py:3", "aten.relu_.default", "a move")]  # a move's record
     assert "moved its argument" not in render([("Net", report)])
     text = render([("Net", report)], moves=True)
     assert "note: `Net.act` moved its argument" in text and "no errors in 1 audited call" in text

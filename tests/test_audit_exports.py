@@ -1,4 +1,4 @@
-"""Writes outside ATen through a NumPy or DLPack view of a tensor (issue 41): ``x.numpy()``,
+"""Writes outside ATen through a NumPy or DLPack view of a tensor: ``x.numpy()``,
 ``np.asarray(x)``, ``torch.from_dlpack(x)``, ``np.from_dlpack(x)``, ``to_dlpack``. No op is
 dispatched and no version moves, so neither a dispatch mode nor autograd sees the write. The
 audit notices the export, keeps the exported bytes, and compares them before each op, at each

@@ -1,4 +1,4 @@
-"""The pytest plugin (issue 33): ``pytest --plusequals-audit`` fails a test whose module calls
+"""The pytest plugin: ``pytest --plusequals-audit`` fails a test whose module calls
 break rustc's rules, showing the diagnostics; passes the others unchanged; is off unless asked.
 Run with pytest's own pytester on test files written into its temp dir."""
 

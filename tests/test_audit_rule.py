@@ -1,4 +1,4 @@
-"""``plusequals.audit``'s move/borrow rule (issue 31): a write into a tensor a module was given is
+"""``plusequals.audit``'s move/borrow rule: a write into a tensor a module was given is
 ``E0596`` only when the memory outlives the call in someone else's hands, ``E0382`` when a name
 that held it is read afterwards, and a move (``report.moves``, never a finding) otherwise. Also:
 the finding names torch's module that wrote; a twin audited directly is one module; the audit

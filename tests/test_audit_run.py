@@ -1,4 +1,4 @@
-"""``python -m plusequals audit run`` (issue 33): the user's program, run as ``__main__`` with its
+"""``python -m plusequals audit run``: the user's program, run as ``__main__`` with its
 own argv, every outermost module call audited; rustc's diagnostics, JSON, SARIF (validated
 against the SARIF 2.1.0 schema), allows, exit statuses. Programs are written into tmp_path."""
 
@@ -221,7 +221,7 @@ for _ in range(2):
 
 
 def test_a_move_is_no_finding_and_moves_lists_it_with_its_writer(tmp_path, capsys):
-    """Issue 31's rule in `audit run`: an in-place ReLU on a temporary nobody reads again exits 0
+    """The move rule in `audit run`: an in-place ReLU on a temporary nobody reads again exits 0
     with no error; `--moves` lists it (text and JSON), once with its count, naming the writer."""
     write(tmp_path, "cnn.py", MOVES)
     with pytest.MonkeyPatch.context() as mp:

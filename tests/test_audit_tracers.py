@@ -1,8 +1,8 @@
 """The audit steps aside while a tracer or compiler runs (``torch.jit.trace``, ``torch.compile``,
 ``torch.fx.symbolic_trace``, ``torch.export``): a traced or compiled call runs exactly as it does
 without the audit (the same graph, the same result, bit for bit), and the summary counts the
-calls it did not audit. A regression here used to kill the process (SIGSEGV in the JIT
-tracer), so the programs that trace run in a subprocess."""
+calls it did not audit. A regression here can kill the process (SIGSEGV in the JIT tracer),
+so the programs that trace run in a subprocess."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_jit_trace_under_audit_run_is_the_plain_run_and_is_counted(tmp_path):
     plain = _python(tmp_path, "trace.py")
     audited = _python(tmp_path, "-m", "plusequals", "audit", "run", "trace.py")
     assert plain.returncode == 0, plain.stderr
-    assert audited.returncode == 0, audited.stderr  # was 139: SIGSEGV in TracingState::getOutput
+    assert audited.returncode == 0, audited.stderr  # not 139: SIGSEGV in TracingState::getOutput
     assert audited.stdout == plain.stdout  # the same graph (no audit op in it), the same floats
     assert "TracerWarning" not in audited.stderr
     # the trace and check_trace's second trace: each an outermost call under the tracer

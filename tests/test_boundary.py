@@ -118,7 +118,7 @@ def check_error(err: BaseException, problems, context: str) -> None:
         f"{context}: message names none of {sorted(map(str, labels))}: {type(err).__name__}: {message[:300]}"
     )
     wanted = {EXPECTED_TYPE[cat] for _, cat in problems}
-    if ValueError in wanted:  # a block refused for what it is: the refusal class (a ValueError), issue 34
+    if ValueError in wanted:  # a block refused for what it is: the refusal class (a ValueError)
         wanted.add(UnsupportedBlockError)
     assert type(err) in wanted, f"{context}: {type(err).__name__} for {problems}: {message[:300]}"
 

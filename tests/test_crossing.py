@@ -1,4 +1,4 @@
-"""The hot path (issue #24): ``RustBlock.forward`` and ``forward_owned`` are one call into Rust
+"""The hot path: ``RustBlock.forward`` and ``forward_owned`` are one call into Rust
 (``RustBlock._entry``, a ``plusequals._rust.Entry``), which takes the call exactly when no Python
 code could see it and otherwise hands it back (``NotImplemented``) to the full path. The predicate
 is checked against an oracle written from its definition on generated combinations of argument

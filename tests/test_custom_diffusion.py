@@ -1,4 +1,4 @@
-"""Custom Diffusion (issue 34) in the Rust block, against diffusers' own processors
+"""Custom Diffusion in the Rust block, against diffusers' own processors
 (``CustomDiffusionAttnProcessor2_0``: bitwise, forward and backward; ``CustomDiffusionAttnProcessor``:
 baddbmm instead of SDPA, ||a - b|| / ||b|| <= 1e-5), on a block (generated configurations: which
 attention, ``train_kv``, ``train_q_out``, ``out_bias``, with or without a context) and on a swapped

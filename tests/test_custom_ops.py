@@ -1,4 +1,4 @@
-"""The Rust block as torch.library custom ops (python/plusequals/ops.py): what torch.compile,
+"""The Rust block as torch.library custom ops (python/plusequals/twin/ops.py): what torch.compile,
 torch.export and FakeTensor see.
 
 * ``torch.library.opcheck`` passes for ``plusequals::block_forward`` (with gradients, under an
@@ -181,9 +181,9 @@ def test_compiled_unet_training_matches_eager():
     One thread is the case that needs care: libtorch runs a 1x1 conv with batch < 16 in THNN
     there (mkldnn from two threads on), and THNN's bias gradient sums the output gradient in
     memory order. ``block_backward`` returns x's gradient in the incoming gradient's layout, as
-    the eager block does; the contiguous copy it used to return reached each Transformer2DModel's
-    ``proj_in`` channels-last after the ``permute``, and the four ``proj_in.bias`` gradients
-    differed by up to 1.4e-9 (relative 1.1e-7) at one thread.
+    the eager block does; a contiguous copy would reach each Transformer2DModel's ``proj_in``
+    channels-last after the ``permute``, and the four ``proj_in.bias`` gradients would differ by up
+    to 1.4e-9 (relative 1.1e-7) at one thread.
 
     The encoder states' gradient is within 1e-6 (measured 6.7e-8 at one thread, 7.3e-8 at two):
     the eight cross-attention contributions (to_k, to_v in four blocks) are bitwise the same,

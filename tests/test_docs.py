@@ -1,4 +1,4 @@
-"""README.md is a front page (issue 35): at most 200 lines; its quick start runs as written; its
+"""README.md is a front page: at most 200 lines; its quick start runs as written; its
 excerpts of what the two commands print are real; every relative link and anchor in README.md and
 docs/ resolves."""
 

@@ -1,4 +1,4 @@
-"""PEFT's DoRA (``use_dora=True``) through the Rust block (issue 34), on peft's and diffusers' own classes.
+"""PEFT's DoRA (``use_dora=True``) through the Rust block, on peft's and diffusers' own classes.
 
 The Rust block computes PEFT's ``DoraLinearLayer.forward`` (``rust/linear.rs``, ``Linear::dora``) on
 PEFT's tensors with the ops PEFT calls, in its order: the eye-based ``lora_weight``, the detached row

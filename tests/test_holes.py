@@ -1,4 +1,4 @@
-"""The holes of issue #32, item 4, each closed: Python code run between a donation's ownership
+"""Holes in the checks, each closed: Python code run between a donation's ownership
 check and its move, a dual tensor's tangent dropped by a donation, ``torch.__future__``'s
 parameter swapping on conversion, and ``torch.func`` transforms over ``functional_call``."""
 

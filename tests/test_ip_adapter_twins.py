@@ -1,4 +1,4 @@
-"""IP-Adapter in the three blocks (issue 34): the PyTorch block (``plusequals.model.blocks``, the
+"""IP-Adapter in the three blocks: the PyTorch block (``plusequals.model.blocks``, the
 oracle), the Rust block (``rust/block.rs``, ``forward_ip``) and the C++ twin (``cpp/block.cpp``)
 agree bit for bit on the same weights, forward and backward, in generated configurations (adapters,
 scales, 0 included, image tokens, batch, a cross-attention mask). Against diffusers'
@@ -90,8 +90,8 @@ def diffusers_block(n_adapters, seed=0, tokens=4):
 
 def test_cpp_twin_and_the_tensor_context_match_diffusers_bitwise():
     """CppBlock and RustBlock made from a diffusers IP-Adapter block, called with a tensor context (diffusers'
-    deprecated form: its last num_tokens tokens are the image's): bitwise the library's, which before issue
-    34 was a bare ValueError ("carries 0 image embeddings")."""
+    deprecated form: its last num_tokens tokens are the image's): bitwise the library's, not a ValueError
+    ("carries 0 image embeddings")."""
     reference = diffusers_block(1)
     g = torch.Generator().manual_seed(4)
     x, c = torch.randn(2, 16, DIM, generator=g), torch.randn(2, 7 + 4, CROSS, generator=g)

@@ -1,4 +1,4 @@
-"""The JAX twin (python/plusequals/jax_block.py) against the PyTorch block, and what JAX does with
+"""The JAX twin (python/plusequals/model/jax_block.py) against the PyTorch block, and what JAX does with
 the story's moves: ``x += y`` rebinds, and donation deletes the caller's array.
 
 Tolerance: fp32 on the CPU, ||a - b|| / ||b|| <= 1e-5 (the project's bar). fp32 only: nothing here

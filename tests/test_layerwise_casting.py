@@ -1,4 +1,4 @@
-"""diffusers' layerwise casting (``enable_layerwise_casting``) on swapped blocks (issue 34, twin/casting.py).
+"""diffusers' layerwise casting (``enable_layerwise_casting``) on swapped blocks (twin/casting.py).
 
 The swapped block runs diffusers' own ``LayerwiseCastingHook.pre_forward`` on every hooked module of
 the block (the stored low-precision weights to the compute dtype, in place of their data), computes

@@ -1,4 +1,4 @@
-"""PEFT LoRA through the Rust block (issue 26), on peft's and diffusers' own classes.
+"""PEFT LoRA through the Rust block, on peft's and diffusers' own classes.
 
 The Rust block computes ``base(x) + lora_B(lora_A(x)) * scaling`` per active adapter on PEFT's
 tensors, the ops PEFT's ``lora.Linear.forward`` calls in the same order: outputs and gradients are

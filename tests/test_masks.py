@@ -1,4 +1,4 @@
-"""Attention masks (issue 26): ``attention_mask`` and ``encoder_attention_mask`` with diffusers'
+"""Attention masks: ``attention_mask`` and ``encoder_attention_mask`` with diffusers'
 semantics in the PyTorch block, the Rust block and the C++ twin, and in the drop-in.
 
 The masks are generated (hypothesis): boolean or an additive float bias (random, all zeros, the

@@ -443,7 +443,7 @@ def test_from_state_dict_follows_its_tensors():
     assert torch.equal(rust(x.double(), c.double()), block.double()(x.double(), c.double()))
 
 
-# ------------------------------------------------------------------- nn.Module conventions (issue 35)
+# ------------------------------------------------------------------------------ nn.Module conventions
 @pytest.mark.parametrize("cls", [RustBlock, CppBlock])
 def test_train_and_eval_reach_the_block_it_follows(cls):
     """eval()/train() on the twin set the followed block's own flag too, not only the shared

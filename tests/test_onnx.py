@@ -1,5 +1,5 @@
 """The PyTorch block exported with torch.onnx.export and run by ONNX Runtime on the CPU
-(python/plusequals/onnx_block.py), and the report's compiler variants and verdict.
+(python/plusequals/model/onnx_block.py), and the report's compiler variants and verdict.
 
 Tolerance: fp32 on the CPU, ||a - b|| / ||b|| <= 1e-5 (the project's bar; the exported graph
 measures about 3e-7 against eager at these shapes).

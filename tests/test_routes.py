@@ -1,4 +1,4 @@
-"""Never stale by construction (issue #32): the routes by which Python reaches a forward without
+"""Never stale by construction: the routes by which Python reaches a forward without
 touching anything a hand-written list names. Each is a change that alters what the PyTorch block
 computes: a class patched (torch's ``nn.LayerNorm.forward`` and ``nn.Linear.forward``, the GEGLU's
 ``forward``, the attention's code), a module global replaced (``F.gelu``,

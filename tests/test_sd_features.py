@@ -1,4 +1,4 @@
-"""What SD users load on a swapped UNet (issue 34): IP-Adapter and layerwise casting, through
+"""What SD users load on a swapped UNet: IP-Adapter and layerwise casting, through
 diffusers' own API (``IPAdapterMixin.load_ip_adapter`` with state dicts made in code,
 ``set_ip_adapter_scale``, ``unload_ip_adapter``, ``enable_layerwise_casting``), no download.
 

@@ -1,4 +1,4 @@
-"""Never stale, structurally (issue 21): changes to a module's structure, made in place after the
+"""Never stale, structurally: changes to a module's structure, made in place after the
 Rust side read it, are followed or refused, for ``RustBlock``, ``CppBlock`` and the diffusers swap.
 
 Each case shows first that the change matters (the PyTorch block's output moves), then that the

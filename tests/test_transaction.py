@@ -1,4 +1,4 @@
-"""Donation is a transaction (issue 20): every way the project knows to break it, tried on every
+"""Donation is a transaction: every way the project knows to break it, tried on every
 in-place entry point, and each outcome checked.
 
 The promise, for ``forward_owned(x, context, donate=True)`` on ``RustBlock``, ``CppBlock`` and the

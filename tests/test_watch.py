@@ -1,4 +1,4 @@
-"""The watch's version-tag shortcut (issue #24, ``rust/python/watch.rs``): where CPython keeps a
+"""The watch's version-tag shortcut (``rust/python/watch.rs``): where CPython keeps a
 dict's version tag (3.11 to 3.13), a call compares one tag per watched dict instead of every noted
 value, and runs the full compare only when a tag moved. A shortcut must never say "unchanged"
 where the full compare would not: generated sequences of changes to the watched dicts (a value

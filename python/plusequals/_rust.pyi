@@ -1,4 +1,5 @@
-"""Stub for the extension module built from rust/python.rs (PyO3 glue over rust/block.rs).
+"""Stub for the extension module ``plusequals._rust``, built from rust/python/ (the PyO3 code; mod.rs
+declares the module) over the crate (rust/block.rs and its neighbours).
 
 Checked against the built module by mypy's stubtest (tests/test_architecture.py)."""
 

@@ -215,7 +215,7 @@ def _raised(calls: Sequence[Tuple[str, Any]]) -> List[Diagnostic]:
 
 
 def _moves(calls: Sequence[Tuple[str, Any]]) -> List[Diagnostic]:
-    """Issue 31's moves (a write into a temporary nothing else holds: no finding), as notes."""
+    """The moves (a write into a temporary nothing else holds: no finding), as notes."""
     out = []
     for root, m, count in _merged((r, _MovesOnly(getattr(rep, "moves", []))) for r, rep in calls):
         writer = getattr(m, "writer", None)

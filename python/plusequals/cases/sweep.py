@@ -40,8 +40,8 @@ class Row(NamedTuple):
 
 
 # The heaviest torchvision models, marked slow in tests/test_audit_sweep.py (make sweep runs them)
-# and never a representative: on a loaded 2-core machine these 21 took 96 s of the sweep's 202 s,
-# the other 77 (every transformers and diffusers model among them) 106 s.
+# and never a representative: these 21 take about as long as the other 77 together (every
+# transformers and diffusers model among them).
 SLOW = (
     ("torchvision", "regnet_y_128gf"),
     ("torchvision", "efficientnet_v2_l"),
