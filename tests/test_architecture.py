@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "plusequals"
 MAX_FUNCTION_LINES = 80
@@ -195,3 +196,19 @@ def test_errors_are_classes_made_in_rust_and_re_exported():
         assert cls is getattr(_rust, name) is getattr(errors, name)
         assert cls.__module__ == "plusequals", cls.__module__
     assert issubclass(plusequals.OwnershipError, ValueError) and issubclass(plusequals.WeightsChanged, RuntimeError)
+
+
+def test_importing_plusequals_leaves_dynamo_unimported_and_the_trace_check_marked_as_torch_marks():
+    """``import plusequals`` (every audited program, DataLoader worker and child process pays it)
+    does not import Dynamo; the trace-time check carries exactly the mark that
+    ``torch.compiler.assume_constant_result`` gives, so torch.compile still treats it as constant."""
+    code = "import sys, plusequals, plusequals.audit; print('torch._dynamo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+    from plusequals import RustBlock
+
+    def marked():
+        return 0
+
+    torch_marks = vars(torch.compiler.assume_constant_result(marked))
+    ours = RustBlock._check_for_trace
+    assert torch_marks and all(getattr(ours, k, object()) == v for k, v in torch_marks.items()), torch_marks

@@ -34,6 +34,14 @@ from .traceable import untraceable
 _is_compiling = torch.compiler.is_compiling
 
 
+def _constant_result(fn):  # type: ignore[no-untyped-def]
+    """``torch.compiler.assume_constant_result``'s mark, without its import of Dynamo: that import
+    is most of ``import plusequals`` (1.4 s of CPU), paid by every process that imports it, where
+    only a process that compiles needs Dynamo (tests/test_architecture.py holds the two equal)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # from_torch and the swap's block: the module to follow comes next (_adopt)
 ADOPT = object()
 
@@ -279,7 +287,7 @@ class RustBlock(nn.Module):
         self._entry = None
         raise error(f"{self._where()}: {why}")
 
-    @torch.compiler.assume_constant_result
+    @_constant_result
     def _check_for_trace(self) -> int:
         """Under torch.compile, run once at trace time: the block is read again if it changed
         (refusals raise there). The weights themselves reach the custom op as arguments."""
