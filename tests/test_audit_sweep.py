@@ -31,11 +31,11 @@ def _models(slow: bool) -> list:
 
 
 def check(family: str, name: str) -> None:
-    """The model is clean and its README row current; the CNNs the issue counted have their moves."""
+    """The model is clean and its README row current; three CNNs' in-place activations are moves."""
     row = sweep.run(entry(family, name))
     assert_clean(row)
     assert sweep.markdown([row]).splitlines()[-1] in readme_block("audit-sweep").splitlines()
-    if name in sweep.MOVES:  # each in-place activation the issue counted as E0596 is a move
+    if name in sweep.MOVES:  # each in-place activation is a move, not an E0596
         assert sum(m.count for m in row.report.moves) == sweep.MOVES[name]
         assert all(m.writer and m.writer.endswith("(inplace=True)") for m in row.report.moves)
 

@@ -985,7 +985,7 @@ def test_child_harness_reports_crashes():
         run_child(["-c", "import ctypes; ctypes.string_at(0)"], timeout=30)
 
 
-# Every kind of bad input the issue lists must actually be generated (a generator that drifted
+# Every kind of bad input the contract names must actually be generated (a generator that drifted
 # to only valid cases would pass vacuously).
 REQUIRED_TENSOR_PROBLEMS = [
     "x:shape",

@@ -44,7 +44,7 @@ def test_the_commit_breaks_training_and_the_reland_fixes_it():
     assert bugs.textual_inversion("op_plus_x").error is None
     assert bugs.VERSION_COUNTER in bugs.textual_inversion("iadd").error
     assert bugs.textual_inversion("iadd_clone").error is None
-    # and what the issue tracker expected to be safe is not: norm2 saved the tensor += rewrites
+    # and what looks safe is not: norm2 saved the tensor += rewrites
     assert bugs.VERSION_COUNTER in bugs.textual_inversion("first_out_of_place").error
 
 

@@ -5,7 +5,7 @@ clock is torch.utils.benchmark's Timer clock, and its workloads advance that clo
 times the machine's current slowdown. The interleaved, paired design recovers the true ratio of
 two workloads; the sequential design (all of one, then all of the other) reports the drift.
 
-``PLUSEQUALS_LOAD_TEST=1`` adds the issue's acceptance run: a quick CPU report while a
+``PLUSEQUALS_LOAD_TEST=1`` adds the acceptance run: a quick CPU report while a
 background load is switched on and off at random (two to four minutes on 2 cores).
 """
 
@@ -235,7 +235,7 @@ BURNER = textwrap.dedent(
     os.environ.get("PLUSEQUALS_LOAD_TEST") != "1", reason="set PLUSEQUALS_LOAD_TEST=1 (two to four minutes)"
 )
 def test_quick_report_under_a_load_switched_at_random(tmp_path):
-    """The issue's done-when: a quick CPU report, run while a load on every core is switched on
+    """The report's acceptance run: a quick CPU report, run while a load on every core is switched on
     and off at random, puts every same-work eager strategy within +-10% of op_plus_x in every
     cell, and says which differences are within noise."""
     script, log, out = tmp_path / "burner.py", tmp_path / "load.log", tmp_path / "report"

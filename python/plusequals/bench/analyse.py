@@ -23,7 +23,7 @@ EXTRA_PAIRS = [
     ("rust/forward", "cpp/forward"),
     ("compile/iadd", "compile/op_plus_x"),  # the seed's += once Inductor has compiled both
 ]
-# Where the targets of the report's issue apply: they were set for the H200.
+# Where the report's performance targets apply: they are set for the H200.
 TARGET_DEVICE = "cuda"
 INFORMATIONAL = "informational: targets are for the H200, full shapes"
 
@@ -185,7 +185,7 @@ def on_target(results: Results) -> bool:
 
 
 def targets(results: Results) -> list[Target]:
-    """The issue's performance targets (set for the H200), each with its measured value; every
+    """The report's performance targets (set for the H200), each with its measured value; every
     comparison is a paired ratio (median over rounds)."""
     informational = not on_target(results)
 

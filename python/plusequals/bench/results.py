@@ -214,7 +214,7 @@ class UnetStep(Record):
 @dataclass(frozen=True)
 class AuditCost(Record):
     """What ``plusequals.audit`` costs on a resnet18 train step (written by :mod:`.audit_cost`):
-    each probe's time and paired ratio to eager, the issue's target, what the audit found."""
+    each probe's time and paired ratio to eager, its target, what the audit found."""
 
     what: str = ""
     threads: int = 1
@@ -353,7 +353,7 @@ class SameWork(Record):
 
 @dataclass(frozen=True)
 class Target(Record):
-    """One of the issue's performance targets, with its measured value and status."""
+    """One of the report's performance targets, with its measured value and status."""
 
     target: str
     value: Optional[float]
