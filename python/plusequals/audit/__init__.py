@@ -31,7 +31,7 @@ It watches with torch's global module hooks (:mod:`.modules`), a TorchDispatchMo
 writes and, from the ops' outputs, what autograd saves (:mod:`.mode`, :mod:`.saved`; in
 backward only the Python code that backward runs is dispatched to it) and, while a moved value
 has a name not read yet, an opcode tracer on the frames that hold it (:mod:`.frames`). It
-imports nothing else of plusequals; :mod:`.cases` holds the project's harnesses.
+imports nothing else of plusequals; what the project audits is in :mod:`plusequals.cases`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Python frames: which one is the user's (for ``where``), and the watcher that catches a moved
 name being read (``E0382``).
 
-A frame is the user's when its code is neither torch's nor the audit's machinery (the model code
-of plusequals and the audit's harnesses are user code here). Once a module has written into its
+A frame is the user's when its code is neither torch's nor the audit's (every module of this
+package; the rest of plusequals, its models and :mod:`plusequals.cases` among them, is user code). Once a module has written into its
 argument, the names that held that memory in the frames that called it are *moved*; those frames
 are then watched instruction by instruction (``sys.monitoring`` on 3.12+, ``sys.settrace`` on
 3.11; from that moment only: a clean model runs unwatched) until each name is read (a finding),
