@@ -15,11 +15,29 @@ import pytest
 import torch
 
 from conftest import examples
-from plusequals.bench import timing
+from plusequals.bench import measure, timing
 from plusequals.bench.results import NUMBER, fmt
 from plusequals.bench.setup import HOST_THREADS
 from plusequals.bench.variants import HOST_VARIANTS
 from report_tokens import tokens
+
+
+def test_a_smoke_run_says_so_and_a_real_run_keeps_its_rounds(quick_report_run):
+    """The tests' report is a smoke run (conftest's QUICK_REPORT): its fewest rounds, with no
+    extra, are written down, REPORT.md and the summary say what it is; a plan without --smoke has
+    the real budgets."""
+    out = quick_report_run.out
+    cfg = json.loads((out / "results.json").read_text())["config"]
+    assert cfg["smoke"] is True and cfg["rounds"] == cfg["max_rounds"] == measure.SMOKE_ROUNDS
+    assert cfg["extra_rounds_s"] == 0 and cfg["sample_s"] == measure.SMOKE_SAMPLE_S
+    assert cfg["host_rounds"] == cfg["host_max_rounds"] == measure.HOST_MIN_ROUNDS
+    assert "**A smoke run** (`--smoke`)" in (out / "REPORT.md").read_text()
+    assert json.loads(quick_report_run.stdout)["smoke"] is True
+    for device, quick in (("cpu", True), ("cpu", False), ("cuda", False)):
+        real = measure.plan(device, quick, compilers_flag=False)
+        assert not real.smoke and real.rounds > measure.SMOKE_ROUNDS and real.max_rounds == 3 * real.rounds
+        assert real.extra_s > 0 and real.sample_s > measure.SMOKE_SAMPLE_S
+        assert measure.host_rounds(real)[1] == 3 * measure.host_rounds(real)[0]
 
 
 def test_writes_report_results_and_plots(quick_report):
@@ -403,6 +421,7 @@ def test_results_are_written_as_they_come(tmp_path):
             "plusequals",
             "report",
             "--quick",
+            "--smoke",
             "--device",
             "cpu",
             "--out",

@@ -85,8 +85,8 @@ def _settled(raw: dict[str, list[float]]) -> bool:
     return all(spread(paired_ratios(ts, raw[EAGER])).iqr <= SETTLED_IQR for name, ts in raw.items() if name != EAGER)
 
 
-def measure(sample_s: float, seed: int) -> dict:
-    """The cell; returns results.json's ``audit_cost``."""
+def measure(sample_s: float, seed: int, smoke: bool = False) -> dict:
+    """The cell; returns results.json's ``audit_cost``. ``smoke``: ROUNDS rounds, no more."""
     try:
         import torchvision
     except ImportError as e:
@@ -101,7 +101,13 @@ def measure(sample_s: float, seed: int) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # anomaly mode warns that it is on, each time
             rounds = interleaved_rounds(
-                probes(model, x), ROUNDS, seed, sample_s, settled=_settled, max_rounds=3 * ROUNDS, extra_s=EXTRA_S
+                probes(model, x),
+                ROUNDS,
+                seed,
+                sample_s,
+                settled=_settled,
+                max_rounds=ROUNDS if smoke else 3 * ROUNDS,
+                extra_s=0.0 if smoke else EXTRA_S,
             )
     what = (
         f"torchvision resnet18 ({CLASSES} classes), train mode, batch {BATCH}, {SIZE} x {SIZE} images, float32, "

@@ -93,6 +93,9 @@ CROSSING_BUDGETS = [
 # that two runs on a quiet machine agree on each within 2 µs.
 HOST_MIN_ROUNDS = 25
 HOST_EXTRA_S = 20.0
+# --smoke (Plan.smoke): each cell's rounds (the fewest the report's checks accept) and samples.
+SMOKE_ROUNDS = 5
+SMOKE_SAMPLE_S = 0.001
 HOST_SETTLED_IQR_US = 1.5
 
 
@@ -123,6 +126,10 @@ class Plan:
     inductor_cache_warm: Optional[bool] = None
     compile_batches: tuple[int, ...] = BATCHES  # the batches whose cells time torch.compile
     audit_cost: bool = True  # the audit's cost on a resnet18 train step (audit_cost.py)
+    # --smoke: every section as in a real run, each timed with the fewest rounds it accepts and
+    # 1 ms samples, no extra rounds: checks the whole report in a fraction of the time (the
+    # tests' report); its numbers are not measurements to read, and REPORT.md says so.
+    smoke: bool = False
 
 
 def plan(
@@ -132,11 +139,12 @@ def plan(
     compile: bool = True,
     compilers_flag: bool = True,
     audit_cost_flag: bool = True,
+    smoke: bool = False,
 ) -> Plan:
     """The run's settings for ``device`` at the quick or the SD v1 shapes; ``compile`` and
     ``compilers_flag``: measure torch.compile, and JAX / ONNX Runtime where installed;
-    ``audit_cost_flag``: the audit's cost cell."""
-    rounds = 11 if device == "cuda" else (9 if quick else 7)
+    ``audit_cost_flag``: the audit's cost cell; ``smoke``: the fewest rounds (``Plan.smoke``)."""
+    rounds = SMOKE_ROUNDS if smoke else (11 if device == "cuda" else (9 if quick else 7))
     with_compile = compile
     skipped = "--no-compile"
     return Plan(
@@ -146,9 +154,9 @@ def plan(
         shapes=QUICK_SHAPES if quick else SD_V1_SHAPES,
         context=QUICK_CONTEXT if quick else SD_V1_CONTEXT,
         rounds=rounds,
-        max_rounds=3 * rounds,
-        extra_s=6.0 if quick else 60.0,  # quick: the CPU report stays inside 2 minutes
-        sample_s=0.01 if (quick or device == "cuda") else 0.05,
+        max_rounds=rounds if smoke else 3 * rounds,
+        extra_s=0.0 if smoke else (6.0 if quick else 60.0),  # quick: the CPU report stays inside 2 minutes
+        sample_s=SMOKE_SAMPLE_S if smoke else (0.01 if (quick or device == "cuda") else 0.05),
         loop_n=5 if quick else 50,
         torch_compile=with_compile,
         compile_skipped=None if with_compile else skipped,
@@ -158,12 +166,15 @@ def plan(
         # two compiles cost seconds to tens of seconds on a small CPU (cold cache)
         compile_batches=BATCHES[:1] if (quick and device == "cpu") else BATCHES,
         audit_cost=audit_cost_flag,
+        smoke=smoke,
     )
 
 
 def host_rounds(p: Plan) -> tuple[int, int, float]:
     """The host-cost cell's (rounds, max_rounds, extra_s): more than a cell's (HOST_MIN_ROUNDS)."""
     rounds = max(p.rounds, HOST_MIN_ROUNDS)
+    if p.smoke:
+        return rounds, rounds, 0.0
     return rounds, 3 * rounds, max(p.extra_s, HOST_EXTRA_S)
 
 
@@ -182,6 +193,7 @@ def config(p: Plan) -> dict:
         "extra_rounds_s": p.extra_s,
         "settled_paired_iqr": SETTLED_PAIRED_IQR,
         "sample_s": p.sample_s,
+        "smoke": p.smoke,
         "round_seed": ROUND_SEED,
         "reference": REFERENCE,
         "same_work": list(SAME_WORK),
@@ -512,5 +524,5 @@ def measure(p: Plan, outdir: Path, console: Console) -> Recorder:
         rec.set("unet_step", step)
     if p.audit_cost:
         console.print("the audit's cost on a resnet18 train step ...")
-        rec.set("audit_cost", audit_cost.measure(p.sample_s, ROUND_SEED + len(cells) + 2))
+        rec.set("audit_cost", audit_cost.measure(p.sample_s, ROUND_SEED + len(cells) + 2, smoke=p.smoke))
     return rec

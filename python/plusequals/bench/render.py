@@ -57,6 +57,13 @@ def _header(res: Results) -> list[str]:
         "",
         _method(cfg),
     ]
+    if cfg.get("smoke"):
+        md += [
+            "",
+            "> **A smoke run** (`--smoke`): every section ran with the fewest rounds and "
+            f"{fmt(cfg['sample_s'] * 1e3)} ms samples, to check the report end to end. Its numbers are not "
+            "measurements to read; `make report` makes the report.",
+        ]
     if not cfg["torch_compile"]:
         md += ["", f"torch.compile was not measured: {cfg['torch_compile_skipped_reason']}."]
     elif cfg.get("inductor_cache"):

@@ -66,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument(
         "--full", dest="quick", action="store_false", help="SD v1 shapes (the CUDA default; long on a CPU)"
     )
+    report.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every section with the fewest rounds and 1 ms samples: checks that the report runs "
+        "end to end (the tests use it); its numbers are not measurements",
+    )
     report.add_argument("--out", default="report", help="output directory (default: ./report)")
     report.add_argument("--no-unet", action="store_true", help="skip the full-UNet-step comparison")
     report.add_argument("--no-audit-cost", action="store_true", help="skip the audit's cost on a resnet18 train step")
@@ -118,4 +124,5 @@ def main(argv: list[str] | None = None) -> int:
         compilers_flag=not args.no_compilers,
         audit_cost=not args.no_audit_cost,
         output=args.output or "rich",
+        smoke=args.smoke,
     )

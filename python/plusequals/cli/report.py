@@ -32,6 +32,7 @@ def run(
     compilers_flag: bool = True,
     output: str = "rich",
     audit_cost: bool = True,
+    smoke: bool = False,
 ) -> int:
     """``quick=None``: quick shapes on the CPU (SD v1 shapes are long on a small CPU), SD v1 shapes on CUDA.
     ``output``: "rich" (progress, then the summary), "quiet" (REPORT.md's path alone) or "json"
@@ -43,7 +44,7 @@ def run(
         return 2
     console = Console(quiet=output != "rich")
     outdir = Path(out)
-    plan = measure.plan(device, quick, unet, compile, compilers_flag, audit_cost)
+    plan = measure.plan(device, quick, unet, compile, compilers_flag, audit_cost, smoke)
     with stdout_to_stderr() if output == "json" else contextlib.nullcontext(), inductor_cache(plan) as plan:
         data = report(plan, outdir, console)
     emit(data, outdir, output, console)

@@ -47,6 +47,7 @@ def build(data: dict, outdir: Path) -> dict:
         "machine": env.get("gpu") or f"{env['cpu']}, {env['cpu_threads']} threads",
         "dtype": cfg["dtype"],
         "quick": cfg["quick"],
+        "smoke": bool(cfg.get("smoke")),
         "informational": not on_target(results),
         "elapsed_s": data.get("elapsed_s"),
         "reference": cfg["reference"],
@@ -160,6 +161,8 @@ def show(s: dict, console: Console) -> None:
             f"[yellow]Informational:[/] times from {where}. The targets are for the H200 at SD v1 shapes; "
             "here the ratios show the method, not the verdict.",
         )
+    if s.get("smoke"):
+        say(console, "[yellow]A smoke run[/] (--smoke): the fewest rounds, to check the report runs; not measurements.")
     console.print()
     say(
         console,
