@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import _rust
 from . import casting
-from .reads import Note, read_code
+from .reads import Note, Reads, read_code
 
 __all__ = ["Watch", "class_name", "global_hook_kinds"]
 
@@ -281,11 +281,40 @@ class Watch:
         self._sized(hooks)
         return [str(name) for name in hooks]
 
+    def add(self, reads: Reads) -> None:
+        """Adds what a recorded run of the PyTorch forward read (:mod:`plusequals.twin.record`)
+        to the code watched (each dict entry and function once), and seals again."""
+        have = {(id(n.d), n.key) for n in self.code if n.d is not None}
+        functions = {id(f) for f in self.functions}
+        sized = {id(d) for d, _ in self.code_sizes}
+        skip = set()
+        for f in reads.functions:
+            (functions if id(f) not in functions else skip).add(id(f))
+        self.functions += [f for f in reads.functions if id(f) not in skip]
+        owners = iter(reads.functions)
+        owner = None
+        for n in reads.notes:
+            if n.d is None:
+                if n.key == "__code__":
+                    owner = next(owners)
+                if id(owner) not in skip:
+                    self.code.append(n)
+            elif (id(n.d), n.key) not in have:
+                have.add((id(n.d), n.key))
+                self.code.append(n)
+        self.code_sizes += [(d, len(d)) for d in reads.sized if id(d) not in sized]
+        self.rust = self._rust()
+
     def seal(self) -> "Watch":
         self.lens = list(map(len, self.ldicts))
+        self.rust = self._rust()
+        self._seen = self._lseen = self._mseen = set()
+        return self
+
+    def _rust(self) -> Any:
         same = list(zip(self.vdicts, self.vkeys, self.values)) + list(zip(self.tdicts, self.tkeys, self.tensors))
         same += [(n.d, n.key, n.value) for n in self.code if n.d is not None]
-        self.rust = _rust.Watch(
+        return _rust.Watch(
             same=same,
             classes=list(zip(self.modules, self.classes)),
             sizes=list(zip(self.ldicts, self.lens)) + self.code_sizes,
@@ -294,8 +323,6 @@ class Watch:
             lists=self.lists,
             functions=self.functions,
         )
-        self._seen = self._lseen = self._mseen = set()
-        return self
 
     def unchanged(self) -> bool:
         return self.rust.unchanged()
