@@ -361,3 +361,28 @@ def test_out_of_contract_code_the_checked_run_did_not_reach():
         _stale_or_not(block, rust, x, c, change, undo)
     finally:
         F.gelu = original
+
+
+def test_the_recorder_chains_a_profiler_already_set_and_puts_everything_back():
+    """A profiler already set (a user's cProfile) still sees every event, and is set again after;
+    the garbage collector is on again; the helper's frame is recorded with its globals."""
+    import gc
+
+    from plusequals.twin.record import Recorder
+
+    seen = []
+
+    def previous(frame, event, arg):
+        seen.append(event)
+
+    recorder = Recorder()
+    sys.setprofile(previous)
+    try:
+        assert recorder.call(_helper) == FACTOR
+        assert sys.getprofile() is previous
+    finally:
+        sys.setprofile(None)
+    assert "call" in seen and gc.isenabled()
+    assert [g for code, g, _ in recorder.ran.frames if code is _helper.__code__] == [globals()]
+    notes = {n.label for n in recorder.ran.reads().notes}
+    assert f"{__name__}.FACTOR" in notes and f"{__name__}._helper.__code__" in notes

@@ -90,6 +90,7 @@ impl PyWatch {
                 _ => read.push((f.clone().unbind(), state_of(&f)?)),
             }
         }
+        slots.sort_unstable(); // in address order: the per-call reads walk memory one way
         Ok(PyWatch { same, classes, sizes, empty, keys, lists, slots, held, read, tags })
     }
 

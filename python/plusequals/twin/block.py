@@ -92,9 +92,7 @@ class RustBlock(nn.Module):
         # what differs from it in the last reading: the PyTorch block is the oracle for its code.
         self._code_ok: Optional[Dict[str, Any]] = None
         self._code_changes: List[str] = []
-        # What the PyTorch forward ran at the last probe that agreed (twin/record.py): added to
-        # every reading's watch, from the values there now.
-        self._ran: Optional[Ran] = None
+        self._ran: Optional[Ran] = None  # what the last probe that agreed ran: watched (twin/record.py)
         self._lora_layers: Tuple[str, ...] = ()  # peft LoRA layers in the last reading: never traced
         self._casting = False  # diffusers' layerwise casting in the last reading (twin/casting.py): never traced
         self._ip_tokens: Optional[int] = None  # IP-Adapter's num_tokens[0] (twin/adapters.py)
@@ -226,8 +224,7 @@ class RustBlock(nn.Module):
             return
         self._reading = reading
         self._weights = tuple(reading.weights())
-        if self._ran is not None:
-            reading.watch.add(self._ran.reads(reading.watch.functions))
+        reading.watch.add(self._ran)  # what the last checked run executed, from the values there now
         self._code_changes = code_changes(self._code_ok, reading.watch.code)
         self._probe_pending = bool(reading.unknown) or self._code_ok is None or bool(self._code_changes)
 
@@ -264,7 +261,7 @@ class RustBlock(nn.Module):
                     f"it in {weight.dtype} on {weight.device}",
                 )
             return
-        recorder = Recorder(reading.watch.functions)
+        recorder = Recorder(reading.watch.functions)  # what the PyTorch block runs: twin/record.py
         reason = probe(self._source, self._probe_forward(), self._config, weight, recorder.call)
         if reason:
             if reading.unknown:
@@ -274,9 +271,8 @@ class RustBlock(nn.Module):
                 self._refuse(error, f"the code its forward runs changed since it was checked ({shown}), and {reason}")
             self._refuse(error, f"its forward's code (its classes and the globals they read): {reason}")
         self._probe_pending = False
-        if recorder.ran is not None:  # what it ran is watched from now on
-            self._ran = recorder.ran
-            reading.watch.add(self._ran.reads(reading.watch.functions))
+        self._ran = recorder.ran or self._ran  # what it ran is watched from now on
+        reading.watch.add(recorder.ran)
         self._code_ok = {n.label: n.value for n in reading.watch.code}
         self._code_changes = []
 

@@ -8,14 +8,15 @@ Rust (``plusequals._rust.Watch``), which every call of a ``RustBlock`` compares 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .. import _rust
 from . import casting
-from .reads import Note, Reads, read_code
+from .reads import Note, read_code
+from .record import Ran
 
 __all__ = ["Watch", "class_name", "global_hook_kinds"]
 
@@ -281,9 +282,13 @@ class Watch:
         self._sized(hooks)
         return [str(name) for name in hooks]
 
-    def add(self, reads: Reads) -> None:
-        """Adds what a recorded run of the PyTorch forward read (:mod:`plusequals.twin.record`)
-        to the code watched (each dict entry and function once), and seals again."""
+    def add(self, ran: Optional[Ran]) -> None:
+        """Adds what a recorded run of the PyTorch forward read (:mod:`plusequals.twin.record`),
+        from the values there now, to the code watched (each dict entry and function once), and
+        seals again. None: nothing recorded."""
+        if ran is None:
+            return
+        reads = ran.reads(self.functions)
         have = {(id(n.d), n.key) for n in self.code if n.d is not None}
         functions = {id(f) for f in self.functions}
         sized = {id(d) for d, _ in self.code_sizes}
