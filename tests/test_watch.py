@@ -4,7 +4,9 @@ value, and runs the full compare only when a tag moved. A shortcut must never sa
 where the full compare would not: generated sequences of changes to the watched dicts (a value
 replaced, set to itself, a key added or removed and put back, a dict cleared and refilled, a class
 swapped) are checked, after every step, against an oracle written in Python from the watch's own
-record of what it read."""
+record of what it read. The functions the forward's code runs are compared in place (their
+code, defaults and closure cells), directly where CPython's layout is known and through
+``getattr`` elsewhere: both ways agree with the oracle after generated changes and undos."""
 
 import sys
 
@@ -13,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import make_block
-from plusequals import RustBlock
+from plusequals import RustBlock, _rust
+from plusequals.twin.reads import function_state
 
 TAGS = (3, 11) <= sys.version_info[:2] < (3, 14)
 
@@ -38,7 +41,22 @@ def _oracle(watch, global_keys) -> bool:
         and all(len(d) == 0 for d in watch.hook_dicts)
         and all(len(d) == len(k) and all(a is b for a, b in zip(d, k)) for d, k in zip(watch.globals, global_keys))
         and all(len(lst) == len(items) and all(a is b for a, b in zip(lst, items)) for lst, items in watch.lists)
-        and all(n.d.get(n.key, missing) is n.value for n in watch.code)
+        and all(n.d.get(n.key, missing) is n.value for n in watch.code if n.d is not None)
+        and all(len(d) == n for d, n in watch.code_sizes)
+        and _functions_as_read(watch)
+    )
+
+
+def _functions_as_read(watch) -> bool:
+    """Every watched function's state (code, defaults, cells) is the one its notes hold: the
+    notes of each function follow its ``__code__`` note, in the order of ``watch.functions``."""
+    missing = object()
+    was = {n.label: n.value for n in watch.code if n.d is None}
+    owners = [n.label[: -len(".__code__")] for n in watch.code if n.d is None and n.key == "__code__"]
+    return len(owners) == len(watch.functions) and all(
+        was.get(f"{owner}.{key}", missing) is value
+        for f, owner in zip(watch.functions, owners)
+        for key, value in function_state(f)
     )
 
 
@@ -91,7 +109,8 @@ OPS = ["set_same", "replace", "delete", "add", "refill", "update_same", "swap_cl
 @pytest.mark.skipif(not TAGS, reason="CPython keeps no dict version tags here: the watch compares in full")
 def test_the_shortcut_covers_every_watched_dict_where_cpython_keeps_tags():
     _, watch, _ = _reading(0)
-    code = [n.d for n in watch.code]  # the classes' and module globals' dicts the forward's code reads
+    code = [n.d for n in watch.code if n.d is not None]  # the dicts the forward's code reads (classes, globals)
+    code += [d for d, _ in watch.code_sizes]
     assert code and watch.rust.tagged == len({id(d) for d in _dicts(watch) + watch.globals + code})
     assert watch.rust.unchanged()
 
@@ -113,3 +132,90 @@ def test_the_watch_agrees_with_the_full_compare_after_every_change(steps):
         if undo and restore is not None:
             restore()
             assert watch.rust.unchanged() == _oracle(watch, global_keys), (op, "after the undo")
+
+
+class _Cells:
+    """A function whose code, defaults and cells take part, watched with the block's functions."""
+
+    @staticmethod
+    def make():
+        a, b = 1.0, 2.0
+
+        def f(x, y=1, *, z=2):
+            return x * a + b + y + z
+
+        def g(x, y=1, *, z=2):
+            return x * a - b - y - z
+
+        return f, g
+
+
+FUNCTION_OPS = ["code", "defaults", "defaults_none", "kwdefaults", "kwdefaults_none", "cell", "cell_empty", "cell_same"]
+
+
+def _change_function(f, other, op: str, which: int):
+    """Applies ``op`` to ``f`` in place; returns the undo (or None)."""
+    cells = f.__closure__ or ()
+    if op == "code":
+        old = f.__code__
+        f.__code__ = other.__code__
+        return lambda: setattr(f, "__code__", old)
+    if op in ("defaults", "defaults_none"):
+        old = f.__defaults__
+        f.__defaults__ = None if op == "defaults_none" else (which,)
+        return lambda: setattr(f, "__defaults__", old)
+    if op in ("kwdefaults", "kwdefaults_none"):
+        old = f.__kwdefaults__
+        f.__kwdefaults__ = None if op == "kwdefaults_none" else {"z": which}
+        return lambda: setattr(f, "__kwdefaults__", old)
+    if cells:
+        cell = cells[which % len(cells)]
+        empty = old = None
+        try:
+            old = cell.cell_contents
+        except ValueError:
+            empty = True
+        if op == "cell":
+            cell.cell_contents = object()
+        elif op == "cell_empty" and not empty:
+            del cell.cell_contents
+        elif not empty:  # cell_same: the same object again, unchanged
+            cell.cell_contents = old
+        return (lambda: _empty(cell)) if empty else (lambda: setattr(cell, "cell_contents", old))
+    return None
+
+
+def _empty(cell) -> None:
+    try:
+        del cell.cell_contents
+    except ValueError:
+        pass
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["in place", "getattr"])
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(FUNCTION_OPS), st.integers(0, 10**6), st.booleans()), max_size=10))
+def test_functions_changed_in_place_agree_with_the_oracle(direct, steps):
+    """A function's ``__code__``, ``__defaults__`` (to a value or None), ``__kwdefaults__`` or a
+    cell's contents (to another object, emptied, or set to itself) changed in place, and undone:
+    the watch says changed exactly when the function's state differs from the one read."""
+    f, other = _Cells.make()
+    read = function_state(f)
+
+    def oracle():
+        now = function_state(f)
+        return len(now) == len(read) and all(a[1] is b[1] for a, b in zip(now, read))
+
+    _, watch, _ = _reading(2)
+    rust = _rust.Watch(
+        same=[], classes=list(zip(watch.modules, watch.classes)), sizes=[], empty=[], keys=[],
+        functions=[f, *watch.functions], direct=direct,
+    )  # fmt: skip
+    assert rust.functions[1 - direct] > 0
+    assert rust.unchanged() and oracle()
+    for op, which, undo in steps:
+        restore = _change_function(f, other, op, which)
+        assert rust.unchanged() == oracle(), (op, "after the change")
+        if undo and restore is not None:
+            restore()
+            assert rust.unchanged() == oracle(), (op, "after the undo")

@@ -48,11 +48,16 @@ class Watch:
         empty: List[Dict[Any, Any]],
         keys: List[Tuple[Dict[Any, Any], List[Any]]],
         lists: List[Tuple[List[Any], List[Any]]] = ...,
+        functions: List[Any] = ...,
+        direct: bool = True,
     ) -> Watch: ...
     def unchanged(self) -> bool: ...
     # how many dicts the version-tag shortcut covers (0 where CPython keeps no tags)
     @property
     def tagged(self) -> int: ...
+    # (function fields and cells compared in place, functions compared through getattr)
+    @property
+    def functions(self) -> Tuple[int, int]: ...
 
 @final
 class Entry:

@@ -10,17 +10,26 @@ use pyo3::PyTraverseError;
 
 use super::errors::StaleBlock;
 
+/// A function's state read through `getattr` ([`state_of`]): None is an empty cell.
+type State = Vec<Option<Py<PyAny>>>;
+
 /// What a reading of a module looked at (`plusequals.twin.watch.Watch`), compared in one pass at
 /// the start of every call that passes it, under the GIL: each noted value by identity in its
 /// dict, each module's exact class, each dict's size, hook dicts empty, and torch's global hook
 /// dicts holding the keys they held, and each watched list holding the items it held (PEFT's
-/// `merged_adapters`, a list of active adapters). A change raises `StaleBlock` before anything else runs.
+/// `merged_adapters`, a list of active adapters), and each Python function the forward's code runs
+/// holding the code, defaults and closure-cell contents it held (a function changed in place:
+/// `f.__code__ = ...`, `f.__defaults__ = ...`, a cell's `cell_contents` set). A change raises
+/// `StaleBlock` before anything else runs.
 ///
 /// Where CPython keeps a dict's version tag (PEP 509, CPython 3.11 to 3.13), the compare has a
 /// shortcut: every dict's tag, one integer per dict, as it was at the last full compare that found
 /// nothing changed. CPython gives a dict a new tag on every change of its contents, so equal tags
 /// prove that every value, size and key noted in those dicts is as it was; a tag that moved only
-/// runs the full compare (a value set to itself, a key removed and put back: not a change).
+/// runs the full compare (a value set to itself, a key removed and put back: not a change). A
+/// function's state is in no dict: its fields are compared on every call, each a pointer read at an
+/// address held since the reading ([`FunctionHead`], checked at run time; through `getattr` where this
+/// Python's layout is another).
 ///
 /// It holds the module's own objects (a RustBlock's watch holds the RustBlock), so it takes part
 /// in Python's garbage collection (`__traverse__`, `__clear__`) like any container.
@@ -32,6 +41,15 @@ pub(super) struct PyWatch {
     empty: Vec<Py<PyDict>>,
     keys: Vec<(Py<PyDict>, Vec<Py<PyAny>>)>,
     lists: Vec<(Py<PyList>, Vec<Py<PyAny>>)>,
+    /// Each watched function's settable fields and its cells' contents, in place: (the field's
+    /// address, the object it held at the reading), compared on every call.
+    slots: Vec<(usize, usize)>,
+    /// The functions and cells those addresses lie in, and the objects they held: kept alive, so
+    /// that no address is reused while watched.
+    held: Vec<Py<PyAny>>,
+    /// Where the layout is not [`FunctionHead`]'s: each function and its state read through
+    /// `getattr` ([`state_of`]), compared the same way, more slowly.
+    read: Vec<(Py<PyAny>, State)>,
     /// Every dict above once, with its tag at the last full compare that passed (0: none yet).
     /// Empty where this Python has no version tags.
     tags: Vec<(Py<PyDict>, AtomicU64)>,
@@ -40,7 +58,10 @@ pub(super) struct PyWatch {
 #[pymethods]
 impl PyWatch {
     #[new]
-    #[pyo3(signature = (same, classes, sizes, empty, keys, lists=Vec::new()))]
+    /// `functions`: Python functions watched in place; `direct=False` reads them through
+    /// `getattr` even where the layout is known (for the tests).
+    #[pyo3(signature = (same, classes, sizes, empty, keys, lists=Vec::new(), functions=Vec::new(), direct=true))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         same: Vec<(Py<PyDict>, Py<PyAny>, Py<PyAny>)>,
         classes: Vec<(Py<PyAny>, Py<PyType>)>,
@@ -48,8 +69,10 @@ impl PyWatch {
         empty: Vec<Py<PyDict>>,
         keys: Vec<(Py<PyDict>, Vec<Py<PyAny>>)>,
         lists: Vec<(Py<PyList>, Vec<Py<PyAny>>)>,
+        functions: Vec<Bound<'_, PyAny>>,
+        direct: bool,
         py: Python<'_>,
-    ) -> Self {
+    ) -> PyResult<Self> {
         let mut dicts: Vec<&Py<PyDict>> = same.iter().map(|(d, _, _)| d).collect();
         dicts.extend(sizes.iter().map(|(d, _)| d).chain(&empty).chain(keys.iter().map(|(d, _)| d)));
         dicts.sort_by_key(|d| d.as_ptr());
@@ -59,7 +82,23 @@ impl PyWatch {
         } else {
             Vec::new()
         };
-        PyWatch { same, classes, sizes, empty, keys, lists, tags }
+        let (mut slots, mut held, mut read) = (Vec::new(), Vec::new(), Vec::new());
+        let layout = if direct { function_type(py) } else { None };
+        for f in functions {
+            match layout {
+                Some(t) if f.get_type().is(t) => in_place(&f, &mut slots, &mut held)?,
+                _ => read.push((f.clone().unbind(), state_of(&f)?)),
+            }
+        }
+        slots.sort_unstable(); // in address order: the per-call reads walk memory one way
+        Ok(PyWatch { same, classes, sizes, empty, keys, lists, slots, held, read, tags })
+    }
+
+    /// How many function fields and cells are compared in place, and how many functions through
+    /// `getattr`.
+    #[getter]
+    fn functions(&self) -> (usize, usize) {
+        (self.slots.len(), self.read.len())
     }
 
     /// How many dicts the version-tag shortcut covers (0 where this Python has no tags).
@@ -99,36 +138,51 @@ impl PyWatch {
         for (d, _) in &self.tags {
             visit.call(d)?;
         }
+        for obj in &self.held {
+            visit.call(obj)?;
+        }
+        for (f, state) in &self.read {
+            visit.call(f)?;
+            for value in state.iter().flatten() {
+                visit.call(value)?;
+            }
+        }
         Ok(())
     }
 
     fn __clear__(&mut self) {
         (self.same, self.classes, self.sizes, self.empty, self.keys, self.lists) = Default::default();
-        self.tags = Vec::new();
+        self.slots = Vec::new(); // before what they point into
+        (self.held, self.read, self.tags) = Default::default();
     }
 
     /// Whether everything is as it was read (stops at the first difference). A cleared watch
     /// (collected with what it watched) holds nothing: it says changed.
     ///
     /// It runs on every call, so it works on the objects' addresses (no reference counts
-    /// touched, no wrappers made): a type pointer per module, the lists' items, and then either
-    /// one version tag per dict, or (a tag moved, or no tags) the full compare: a dict lookup per
-    /// noted value, a size per dict, the global hooks' keys.
+    /// touched, no wrappers made): a type pointer per module, a pointer per function field and
+    /// cell, the lists' items, and then either one version tag per dict, or (a tag moved, or no
+    /// tags) the full compare: a dict lookup per noted value, a size per dict, the global hooks' keys.
     fn unchanged(&self, py: Python<'_>) -> bool {
         if self.classes.is_empty() {
             return false;
         }
-        // SAFETY: every pointer is a live object held by this watch; the GIL is held.
+        // SAFETY: every pointer is a live object held by this watch; the GIL is held; each slot's
+        // address is a pointer field of a function or cell held in `held` (see `in_place`).
         let type_of = |obj: &Py<PyAny>| unsafe { pyo3::ffi::Py_TYPE(obj.as_ptr()) };
         let same_classes = self.classes.iter().all(|(obj, cls)| type_of(obj) == cls.as_ptr().cast());
+        // Branch-free: every slot is read whatever the others hold (no early exit to predict).
+        let moved = self.slots.iter().fold(0, |acc, &(at, was)| acc | (unsafe { *(at as *const usize) } ^ was));
+        let same_functions = moved == 0 && self.read.iter().all(|(f, was)| same_state(f.bind(py), was));
         let same_lists = self.lists.iter().all(|(l, items)| {
             let l = l.bind(py);
             l.len() == items.len() && l.iter().zip(items).all(|(now, was)| now.is(was))
         });
-        if !(same_classes && same_lists) {
+        if !(same_classes && same_functions && same_lists) {
             return false;
         }
-        if !self.tags.is_empty() && self.tags.iter().all(|(d, was)| tag(d) == was.load(Ordering::Relaxed)) {
+        let tags_moved = self.tags.iter().fold(0, |acc, (d, was)| acc | (tag(d) ^ was.load(Ordering::Relaxed)));
+        if !self.tags.is_empty() && tags_moved == 0 {
             return true;
         }
         // Read before the compare: a change made while it runs (a key's __eq__ may run Python
@@ -222,6 +276,156 @@ fn probe_tags(py: Python<'_>) -> PyResult<bool> {
     d.clear();
     all &= changed(&mut seen);
     Ok(all && seen[0] != 0)
+}
+
+/// The head of CPython's `PyFunctionObject` from 3.11 to 3.14 (`Include/cpython/funcobject.h`,
+/// default builds): the object header and `COMMON_FIELDS(func_)`.
+#[repr(C)]
+struct FunctionHead {
+    ob_refcnt: isize,
+    ob_type: *mut pyo3::ffi::PyTypeObject,
+    globals: *mut pyo3::ffi::PyObject,
+    builtins: *mut pyo3::ffi::PyObject,
+    name: *mut pyo3::ffi::PyObject,
+    qualname: *mut pyo3::ffi::PyObject,
+    code: *mut pyo3::ffi::PyObject,
+    defaults: *mut pyo3::ffi::PyObject,
+    kwdefaults: *mut pyo3::ffi::PyObject,
+    closure: *mut pyo3::ffi::PyObject,
+}
+
+/// CPython's `PyCellObject`: the object header and the contents (NULL: empty).
+#[repr(C)]
+struct CellHead {
+    ob_refcnt: isize,
+    ob_type: *mut pyo3::ffi::PyTypeObject,
+    contents: *mut pyo3::ffi::PyObject,
+}
+
+/// Adds `f`'s settable fields (`__code__`, `__defaults__`, `__kwdefaults__`) and its cells'
+/// contents to `slots`, holding `f`, its cells and what each held in `held` (only called with a
+/// function of [`function_type`]'s, whose layout was checked).
+fn in_place(f: &Bound<'_, PyAny>, slots: &mut Vec<(usize, usize)>, held: &mut Vec<Py<PyAny>>) -> PyResult<()> {
+    let py = f.py();
+    let mut slot = |at: *const *mut pyo3::ffi::PyObject, held: &mut Vec<Py<PyAny>>| {
+        // SAFETY: `at` is a pointer field of a live function or cell (held below), read under the GIL.
+        let was = unsafe { *at };
+        if !was.is_null() {
+            // SAFETY: a live object the field holds a reference to; we take one of our own.
+            held.push(unsafe { Py::from_borrowed_ptr(py, was) });
+        }
+        slots.push((at as usize, was as usize));
+    };
+    let head = f.as_ptr().cast::<FunctionHead>();
+    // SAFETY: `f` is a function (checked by the caller), whose layout `function_type` checked.
+    unsafe {
+        slot(std::ptr::addr_of!((*head).code), held);
+        slot(std::ptr::addr_of!((*head).defaults), held);
+        slot(std::ptr::addr_of!((*head).kwdefaults), held);
+    }
+    let closure = f.getattr("__closure__")?;
+    if !closure.is_none() {
+        for cell in closure.try_iter()? {
+            let cell = cell?;
+            // SAFETY: a cell of the closure (a tuple of cells, read-only on the function).
+            slot(unsafe { std::ptr::addr_of!((*cell.as_ptr().cast::<CellHead>()).contents) }, held);
+            held.push(cell.unbind());
+        }
+    }
+    held.push(f.clone().unbind());
+    Ok(())
+}
+
+/// `f`'s state through `getattr`: `__code__`, `__defaults__`, `__kwdefaults__`, then each closure
+/// cell's contents (None: empty).
+fn state_of(f: &Bound<'_, PyAny>) -> PyResult<State> {
+    let mut state = Vec::new();
+    for name in ["__code__", "__defaults__", "__kwdefaults__"] {
+        state.push(Some(f.getattr(name)?.unbind()));
+    }
+    let closure = f.getattr("__closure__")?;
+    if !closure.is_none() {
+        for cell in closure.try_iter()? {
+            state.push(cell?.getattr("cell_contents").ok().map(Bound::unbind));
+        }
+    }
+    Ok(state)
+}
+
+/// Whether `f`'s state is `was`, object for object (an error reading it: changed).
+fn same_state(f: &Bound<'_, PyAny>, was: &[Option<Py<PyAny>>]) -> bool {
+    let same = |now: &Option<Py<PyAny>>, was: &Option<Py<PyAny>>| match (now, was) {
+        (Some(a), Some(b)) => a.is(b),
+        (None, None) => true,
+        _ => false,
+    };
+    match state_of(f) {
+        Ok(now) => now.len() == was.len() && now.iter().zip(was).all(|(a, b)| same(a, b)),
+        Err(e) => {
+            drop(e);
+            false
+        }
+    }
+}
+
+/// The type of Python functions, where this Python lays them out as [`FunctionHead`] and cells as
+/// [`CellHead`] (checked once, on a function made here, by reading each field against `getattr`
+/// and again after setting each one); None elsewhere.
+fn function_type(py: Python<'_>) -> Option<&Bound<'_, PyType>> {
+    static LAYOUT: GILOnceCell<Option<Py<PyType>>> = GILOnceCell::new();
+    LAYOUT
+        .get_or_init(py, || {
+            let version = py.version_info();
+            let known = ((3, 11)..(3, 15)).contains(&(version.major, version.minor));
+            known.then(|| probe_function_layout(py).ok().flatten()).flatten()
+        })
+        .as_ref()
+        .map(|t| t.bind(py))
+}
+
+fn probe_function_layout(py: Python<'_>) -> PyResult<Option<Py<PyType>>> {
+    let globals = PyDict::new(py);
+    let code = c"def outer(y):\n    x = object()\n\n    def f(a=1, *, b=2):\n        return x, y\n\n    def g():\n        return y, x\n\n    return f, g\n\n\nf, g = outer(1)\n";
+    py.run(code, Some(&globals), None)?;
+    let (Some(f), Some(g)) = (globals.get_item("f")?, globals.get_item("g")?) else {
+        return Ok(None);
+    };
+    let head = f.as_ptr().cast::<FunctionHead>();
+    let cell = f.getattr("__closure__")?.get_item(0)?;
+    let contents = cell.as_ptr().cast::<CellHead>();
+    // SAFETY: `f` is a live function and `cell` a live cell, read under the GIL; each field is only
+    // compared by address with what `getattr` returns.
+    let fields = || unsafe {
+        [(*head).globals, (*head).name, (*head).qualname, (*head).code, (*head).defaults, (*head).kwdefaults]
+    };
+    let attr = |name: &str| f.getattr(name).map(|v| v.as_ptr());
+    let expected = || -> PyResult<[*mut pyo3::ffi::PyObject; 6]> {
+        Ok([
+            attr("__globals__")?,
+            attr("__name__")?,
+            attr("__qualname__")?,
+            attr("__code__")?,
+            attr("__defaults__")?,
+            attr("__kwdefaults__")?,
+        ])
+    };
+    let closure = f.getattr("__closure__")?;
+    // SAFETY: as above.
+    let mut ok = fields() == expected()?
+        && unsafe { (*head).closure } == closure.as_ptr()
+        && unsafe { (*contents).contents } == cell.getattr("cell_contents")?.as_ptr();
+    // Each settable field moves where read: set to another value, and to None (NULL).
+    f.setattr("__code__", g.getattr("__code__")?)?;
+    f.setattr("__defaults__", (2,))?;
+    f.setattr("__kwdefaults__", PyDict::new(py))?;
+    cell.setattr("cell_contents", 5)?;
+    ok &= fields() == expected()? && unsafe { (*contents).contents } == cell.getattr("cell_contents")?.as_ptr();
+    f.setattr("__defaults__", py.None())?;
+    f.setattr("__kwdefaults__", py.None())?;
+    cell.delattr("cell_contents")?;
+    // SAFETY: as above.
+    ok &= unsafe { (*head).defaults.is_null() && (*head).kwdefaults.is_null() && (*contents).contents.is_null() };
+    Ok(ok.then(|| f.get_type().unbind()))
 }
 
 /// Raises `StaleBlock` unless `watch` (when given) finds everything as it was read.

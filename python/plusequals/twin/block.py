@@ -27,6 +27,7 @@ from .dispatch import autocast_dtype, converts_results, seen_by_python, symbolic
 from .faithful import CHILDREN, Reading, can_probe, probe, read_block
 from .hooks import run_under_saved_tensor_hooks
 from .reads import code_changes
+from .record import Ran, Recorder
 from .traceable import untraceable
 
 # torch.compile and torch.export trace through this name too (Dynamo knows the function, not the
@@ -99,6 +100,7 @@ class RustBlock(nn.Module):
         # what differs from it in the last reading: the PyTorch block is the oracle for its code.
         self._code_ok: Optional[Dict[str, Any]] = None
         self._code_changes: List[str] = []
+        self._ran: Optional[Ran] = None  # what the last probe that agreed ran: watched (twin/record.py)
         self._lora_layers: Tuple[str, ...] = ()  # peft LoRA layers in the last reading: never traced
         self._casting = False  # diffusers' layerwise casting in the last reading (twin/casting.py): never traced
         self._ip_tokens: Optional[int] = None  # IP-Adapter's num_tokens[0] (twin/adapters.py)
@@ -230,6 +232,7 @@ class RustBlock(nn.Module):
             return
         self._reading = reading
         self._weights = tuple(reading.weights())
+        reading.watch.add(self._ran)  # what the last checked run executed, from the values there now
         self._code_changes = code_changes(self._code_ok, reading.watch.code)
         self._probe_pending = bool(reading.unknown) or self._code_ok is None or bool(self._code_changes)
 
@@ -266,7 +269,8 @@ class RustBlock(nn.Module):
                     f"it in {weight.dtype} on {weight.device}",
                 )
             return
-        reason = probe(self._source, self._probe_forward(), self._config, weight)
+        recorder = Recorder(reading.watch.functions)  # what the PyTorch block runs: twin/record.py
+        reason = probe(self._source, self._probe_forward(), self._config, weight, recorder.call)
         if reason:
             if reading.unknown:
                 classes = ", ".join(reading.unknown)
@@ -275,6 +279,8 @@ class RustBlock(nn.Module):
                 self._refuse(error, f"the code its forward runs changed since it was checked ({shown}), and {reason}")
             self._refuse(error, f"its forward's code (its classes and the globals they read): {reason}")
         self._probe_pending = False
+        self._ran = recorder.ran or self._ran  # what it ran is watched from now on
+        reading.watch.add(recorder.ran)
         self._code_ok = {n.label: n.value for n in reading.watch.code}
         self._code_changes = []
 
@@ -561,7 +567,7 @@ class RustBlock(nn.Module):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state.update(_reading=None, _guards=[], _source_kids={}, _probe_pending=False, _entry=None)
-        state.update(_code_ok=None, _code_changes=[])
+        state.update(_code_ok=None, _code_changes=[], _ran=None)
         if state.get("_source") is not None:
             state["_weights"] = None
         return state

@@ -68,15 +68,20 @@ def _outside_function_modes() -> Iterator[None]:
             torch._C._push_on_torch_function_stack(mode)
 
 
-def probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tensor) -> Optional[str]:
+def probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tensor, call=None) -> Optional[str]:
     """Runs ``block`` and the Rust block on one small seeded input, in the weights' dtype and on
     their device, and returns the reason they differ (None: they agree within :func:`bound`,
-    NaN and inf in the same places). Only where :func:`can_probe`."""
+    NaN and inf in the same places). Only where :func:`can_probe`. ``call(block, *args,
+    **kwargs)`` runs the block (the recorder of what it ran: twin/record.py)."""
     with _outside_function_modes():
-        return _probe(block, rust_forward, spec, weight)
+        return _probe(block, rust_forward, spec, weight, call or _call)
 
 
-def _probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tensor) -> Optional[str]:
+def _call(f, *args, **kwargs):
+    return f(*args, **kwargs)
+
+
+def _probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tensor, call) -> Optional[str]:
     """:func:`probe`, under no TorchFunctionMode."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, spec.dim, generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
@@ -92,7 +97,8 @@ def _probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tens
         try:
             # diffusers' block takes the context by keyword (its second argument is the mask)
             diffusers = type(block).__module__.startswith("diffusers.")
-            expected = block(x, encoder_hidden_states=(c, images) if images else c) if diffusers else block(x, c)
+            context = (c, images) if images else c
+            expected = call(block, x, encoder_hidden_states=context) if diffusers else call(block, x, c)
         except Exception as e:  # noqa: BLE001  (reported as the reason)
             return f"its forward raised {type(e).__name__} on a probe input: {e}"
         got = rust_forward(x, c, ip_adapter=images) if images else rust_forward(x, c)

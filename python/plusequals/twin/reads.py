@@ -7,21 +7,44 @@ class in that class's MRO (``nn.LayerNorm.forward``, diffusers' ``GEGLU.forward`
 ``F.layer_norm``, ``torch.baddbmm``, ``scaled_dot_product_attention``), transitively: a function
 found there is code the forward runs too.
 
-Every such read is a *note*: a dict (a class's own ``__dict__``, a module's globals), a key, the
-value found, and a label (``nn.LayerNorm.forward``, ``torch.nn.functional.gelu``). The watch
-(:mod:`plusequals.twin.watch`) compares each note by identity on every call: on CPython 3.11 to
-3.13 that is one version tag per dict (PEP 509), whatever the dict's size. Nothing here is a list
-of names: the classes are those of the objects the forward calls, and the names those in the code
-objects' ``co_names``. A leaf (imports nothing of the package).
+Every such read is a *note*: a dict (a class's own ``__dict__``, a module's globals, the
+builtins), a key, the value found, and a label (``nn.LayerNorm.forward``,
+``torch.nn.functional.gelu``). The watch (:mod:`plusequals.twin.watch`) compares each note by
+identity on every call: on CPython 3.11 to 3.13 that is one version tag per dict (PEP 509),
+whatever the dict's size. Every dict a lookup consulted is *sized* too (a name added later, which
+Python's lookup would find first, is a change), and every Python function followed is watched in
+place: its ``__code__``, ``__defaults__``, ``__kwdefaults__`` and the contents of its closure
+cells (a note without a dict, compared by the watch through the function object itself).
+
+Nothing here is a list of names: the classes are those of the objects the forward calls (and of
+the tensors it computes on: ``torch.Tensor``, the parameters' class), and the names those in the
+code objects' ``co_names`` plus the dunders their bytecode reaches implicitly (``x + y``,
+``to_out[0]``, ``for m in self.net``, ``with``: :func:`implicit_dunders`). A leaf (imports nothing
+of the package).
 """
 
 from __future__ import annotations
 
+import dis
+import functools
 import gc
 import types
-from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Set
+from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Optional, Set, Tuple
 
-__all__ = ["INERT", "Note", "class_dict", "classes_of", "code_changes", "code_reads", "data_descriptor"]
+__all__ = [
+    "EMPTY",
+    "INERT",
+    "Note",
+    "Reads",
+    "class_dict",
+    "classes_of",
+    "code_changes",
+    "code_reads",
+    "data_descriptor",
+    "function_state",
+    "implicit_dunders",
+    "read_code",
+]
 
 _IMMUTABLE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a static or immutable type, which no one can patch
 #: How far from the forward the code is followed, and how many functions at most (a bound on the
@@ -44,13 +67,29 @@ INERT = frozenset(
 )
 
 
-class Note(NamedTuple):
-    """One read: ``d[key]`` was ``value``; ``label`` names it in a refusal."""
+#: An empty closure cell's contents, in a note (a cell may hold None).
+EMPTY = type("EMPTY", (), {"__repr__": lambda self: "<empty cell>"})()
 
-    d: dict
+
+class Note(NamedTuple):
+    """One read: ``d[key]`` was ``value``; ``label`` names it in a refusal. ``d`` is None for a
+    function's own state (``key``: ``__code__``, ``__defaults__``, ``__kwdefaults__``, or a closure
+    cell ``<cell name>``), which the watch compares through the function (:class:`Reads`)."""
+
+    d: Optional[dict]
     key: str
     value: Any
     label: str
+
+
+class Reads(NamedTuple):
+    """What :func:`read_code` found: the notes, every dict a lookup consulted (each once: sized,
+    so that a name added is a change), and every Python function followed (each once: watched in
+    place, :func:`function_state`)."""
+
+    notes: List[Note]
+    sized: List[dict]
+    functions: List[types.FunctionType]
 
 
 def class_dict(cls: type) -> dict:
@@ -102,41 +141,160 @@ def _class_label(cls: type) -> str:
 
 
 def code_reads(objs: Iterable[Any], entries: Iterable[str] = ("forward", "__call__")) -> List[Note]:
-    """The notes of what calling ``objs`` (modules, processors) reads as code: every entry of
-    every mutable class in their MROs, and the module globals (and attributes of modules found
-    there) named in the code of their ``entries`` methods, and of the functions found so, to
-    :data:`DEPTH` calls deep."""
+    """The notes of :func:`read_code`."""
+    return read_code(objs, entries).notes
+
+
+def read_code(
+    objs: Iterable[Any], entries: Iterable[str] = ("forward", "__call__"), classes: Iterable[type] = ()
+) -> Reads:
+    """What calling ``objs`` (modules, processors) reads as code: every entry of every mutable
+    class in their MROs and in those of ``classes`` (the tensors' classes: ``torch.Tensor``, a
+    parameter's), and the module globals (attributes of modules found there, builtins) named in
+    the code of their ``entries`` methods, and of the functions found so, to :data:`DEPTH` calls
+    deep: globals, methods of those classes named in the code or reached implicitly
+    (:func:`implicit_dunders`), a module's ``__getattr__`` that serves a name, a function in a
+    closure cell, a ``functools.wraps``' ``__wrapped__``. Each function followed is noted in place
+    (:func:`function_state`)."""
     objs = list(objs)
-    classes = classes_of(objs)
+    everything = classes_of(objs)
+    seen_classes = {id(c) for c in everything}
+    for cls in classes:
+        for c in cls.__mro__:
+            if id(c) not in seen_classes and _mutable(c):
+                seen_classes.add(id(c))
+                everything.append(c)
     notes = [
         Note(class_dict(c), k, v, f"{_class_label(c)}.{k}")
-        for c in classes
+        for c in everything
         for k, v in class_dict(c).items()
         if k not in INERT
     ]
-    methods = [class_dict(c) for c in classes]
-    queue = [(f, 0) for c in {type(o) for o in objs} for f in map(lambda e: _lookup(c, e), entries) if f]
-    roots = {"torch"} | {_root(c.__module__) for c in classes}
+    sized: Dict[int, dict] = {id(class_dict(c)): class_dict(c) for c in everything}
+    methods = [(class_dict(c), _class_label(c)) for c in everything]
+    queue: List[Tuple[Any, int, str]] = []
+    for cls in {type(o): None for o in objs}:
+        for entry in entries:
+            owner = _owner(cls, entry)
+            if owner is not None:
+                queue.append((owner.__dict__[entry], 0, f"{_class_label(owner)}.{entry}"))
+    roots = {"torch"} | {_root(c.__module__) for c in everything}
     seen: Set[int] = set()
+    functions: List[types.FunctionType] = []
     noted: Set[tuple] = set()
     while queue and len(seen) < MAX_FUNCTIONS:
-        f, depth = queue.pop(0)
-        f = _function(f)
-        if f is None or id(f) in seen or _root(f.__globals__.get("__name__", "")) not in roots:
+        value, depth, label = queue.pop(0)
+        f = _function(value)
+        if f is None or id(f) in seen:
             continue
         seen.add(id(f))
-        if depth < DEPTH and hasattr(f, "__wrapped__"):  # functools.wraps: the wrapped function runs too
-            queue.append((f.__wrapped__, depth + 1))
-        names = {n for code in _codes(f.__code__) for n in code.co_names}
-        for d, key, value, label in _globals_read(f, names, roots):
-            if (id(d), key) not in noted:
-                noted.add((id(d), key))
-                notes.append(Note(d, key, value, label))
-                if depth < DEPTH:
-                    queue.append((value, depth + 1))
-        if depth < DEPTH:  # a method called by name on an object of these classes (self.helper())
-            queue += [(d[n], depth + 1) for n in names for d in methods if n in d]
-    return notes
+        functions.append(f)  # watched in place wherever it was defined (a wrapper set on torch)
+        deeper = depth < DEPTH and _root(f.__globals__.get("__name__", "")) in roots  # followed within the roots
+        for key, state in function_state(f):
+            notes.append(Note(None, key, state, f"{label}.{key}"))
+            if deeper and key.startswith("<cell"):  # a function in a cell runs too (a decorator's)
+                queue.append((state, depth + 1, f"{label}.{key}"))
+        if deeper and hasattr(f, "__wrapped__"):  # functools.wraps: the wrapped function runs too
+            queue.append((f.__wrapped__, depth + 1, f"{label}.__wrapped__"))
+        names = {n for code in _codes(f.__code__) for n in code.co_names} | implicit_dunders(f.__code__)
+        for note in _globals_read(f, names, roots, sized):
+            if (id(note.d), note.key) not in noted:
+                noted.add((id(note.d), note.key))
+                notes.append(note)
+                if deeper:
+                    queue.append((note.value, depth + 1, note.label))
+        if deeper:  # a method called by name, or implicitly, on an object of these classes (self.helper())
+            queue += [(d[n], depth + 1, f"{where}.{n}") for n in sorted(names) for d, where in methods if n in d]
+    return Reads(notes, list(sized.values()), functions)
+
+
+def function_state(f: types.FunctionType) -> List[Tuple[str, Any]]:
+    """What ``f`` runs besides its globals, all attributes of the function object itself, which
+    can be set in place: ``__code__``, ``__defaults__``, ``__kwdefaults__``, and each closure cell's
+    contents (:data:`EMPTY` for an empty cell), as (key, value)."""
+    state = [("__code__", f.__code__), ("__defaults__", f.__defaults__), ("__kwdefaults__", f.__kwdefaults__)]
+    for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # empty
+            contents = EMPTY
+        state.append((f"<cell {name}>", contents))
+    return state
+
+
+_BINARY = {
+    "+": "add", "-": "sub", "*": "mul", "/": "truediv", "//": "floordiv", "%": "mod", "**": "pow",
+    "@": "matmul", "<<": "lshift", ">>": "rshift", "&": "and", "|": "or", "^": "xor",
+}  # fmt: skip
+_COMPARE = {
+    "<": ("lt", "gt"), "<=": ("le", "ge"), "==": ("eq", "eq"),
+    "!=": ("ne", "ne"), ">": ("gt", "lt"), ">=": ("ge", "le"),
+}  # fmt: skip
+_IMPLICIT = {
+    "BINARY_SUBSCR": ("__getitem__",),
+    "BINARY_SLICE": ("__getitem__",),
+    "STORE_SUBSCR": ("__setitem__",),
+    "STORE_SLICE": ("__setitem__",),
+    "DELETE_SUBSCR": ("__delitem__",),
+    "GET_ITER": ("__iter__", "__next__"),
+    "FOR_ITER": ("__next__",),
+    "UNPACK_SEQUENCE": ("__iter__", "__next__"),
+    "UNPACK_EX": ("__iter__", "__next__"),
+    "GET_LEN": ("__len__",),
+    "CONTAINS_OP": ("__contains__", "__iter__"),
+    "UNARY_NEGATIVE": ("__neg__",),
+    "UNARY_POSITIVE": ("__pos__",),
+    "UNARY_INVERT": ("__invert__",),
+    "UNARY_NOT": ("__bool__", "__len__"),
+    "TO_BOOL": ("__bool__", "__len__"),
+    "BEFORE_WITH": ("__enter__", "__exit__"),
+    "FORMAT_VALUE": ("__format__", "__str__", "__repr__"),
+    "FORMAT_SIMPLE": ("__format__", "__str__"),
+    "FORMAT_WITH_SPEC": ("__format__",),
+    "CONVERT_VALUE": ("__str__", "__repr__"),
+    "LOAD_ATTR": ("__getattr__", "__getattribute__"),
+    "LOAD_METHOD": ("__getattr__", "__getattribute__"),
+    "LOAD_SUPER_ATTR": ("__getattr__", "__getattribute__"),
+    "STORE_ATTR": ("__setattr__",),
+    "DELETE_ATTR": ("__delattr__",),
+    "CALL": ("__call__",),
+    "CALL_FUNCTION_EX": ("__call__",),
+    "CALL_KW": ("__call__",),
+}
+
+
+@functools.lru_cache(maxsize=8192)
+def implicit_dunders(code: types.CodeType) -> FrozenSet[str]:
+    """The dunder methods ``code`` (and the code nested in it) reaches without naming them: an
+    operator's (``+``: ``__add__``, ``__radd__``, and ``__iadd__`` for ``+=``), indexing's
+    ``__getitem__``, a ``for``'s ``__iter__``, a truth test's ``__bool__``, a ``with``'s
+    ``__enter__``/``__exit__``, an attribute's ``__getattr__``, a call's ``__call__``."""
+    out: Set[str] = set()
+    for c in _codes(code):
+        for ins in dis.get_instructions(c):
+            name = ins.opname
+            if name in _IMPLICIT:
+                out.update(_IMPLICIT[name])
+            elif name == "BINARY_OP":
+                op = _BINARY.get(ins.argrepr.rstrip("="))
+                if op:
+                    out.update((f"__{op}__", f"__r{op}__"))
+                    if ins.argrepr.endswith("=") and ins.argrepr not in ("==", "<=", ">="):
+                        out.add(f"__i{op}__")
+            elif name == "COMPARE_OP":
+                op = ins.argrepr.removeprefix("bool(").rstrip(")")
+                out.update(f"__{x}__" for x in _COMPARE.get(op, ()))
+            elif name.startswith("POP_JUMP") and "NONE" not in name:
+                out.update(("__bool__", "__len__"))
+    return frozenset(out)
+
+
+def _owner(cls: type, name: str) -> Optional[type]:
+    """The class in ``cls``'s MRO whose own dict holds ``name``."""
+    for c in cls.__mro__:
+        if name in c.__dict__:
+            return c
+    return None
 
 
 def _lookup(cls: type, name: str) -> Any:
@@ -150,21 +308,61 @@ def _root(module: str) -> str:
     return module.partition(".")[0]
 
 
-def _globals_read(f: types.FunctionType, names: Set[str], roots: Set[str]) -> Iterator[Note]:
-    """What ``f``'s code reads from its module's globals, and from modules found there
-    (``F.gelu``: ``F`` in the globals, then ``gelu`` in ``F``)."""
+def _globals_read(f: types.FunctionType, names: Set[str], roots: Set[str], sized: Dict[int, dict]) -> Iterator[Note]:
+    """What ``f``'s code reads from its module's globals (and, for a name not there, from the
+    builtins: a global added later shadows it, and the globals are sized), and from modules found
+    there (``F.gelu``: ``F`` in the globals, then ``gelu`` in ``F``, or from ``F``'s
+    ``__getattr__``). Each dict consulted is added to ``sized``."""
     g = f.__globals__
     where = g.get("__name__", "?")
-    for name in names:
+    sized.setdefault(id(g), g)
+    builtins = getattr(f, "__builtins__", None)
+    if not isinstance(builtins, dict):
+        builtins = getattr(builtins, "__dict__", {})
+    for name in sorted(names):
         if name not in g:
-            continue  # an attribute name, a local, or a builtin
+            if name in builtins and not name.startswith("__"):  # a builtin (or an attribute name: noted anyway)
+                sized.setdefault(id(builtins), builtins)
+                yield Note(builtins, name, builtins[name], f"builtins.{name}")
+            continue  # otherwise an attribute name, or a local
         value = g[name]
         yield Note(g, name, value, f"{where}.{name}")
         if isinstance(value, types.ModuleType) and _root(value.__name__) in roots:
-            attrs = vars(value)
-            for attr in names:
-                if attr in attrs:
-                    yield Note(attrs, attr, attrs[attr], f"{value.__name__}.{attr}")
+            yield from _module_read(value, names, sized)
+
+
+def _module_read(module: types.ModuleType, names: Set[str], sized: Dict[int, dict]) -> Iterator[Note]:
+    """The attributes of ``module`` named in ``names``; its dict is sized (an attribute added is a
+    change). A name it does not hold is served by its ``__getattr__`` (``torch._VF``'s class's,
+    or PEP 562's in its globals) where it has one: that hook is noted (and followed, as code that
+    runs), with the attributes of the module its code names (``self.vf``)."""
+    attrs = vars(module)
+    sized.setdefault(id(attrs), attrs)
+    cls = type(module)
+    hooks: List[Note] = []
+    if cls is not types.ModuleType and _mutable(cls):  # a module of its own class (torch._VF's VFModule)
+        d = class_dict(cls)
+        sized.setdefault(id(d), d)
+        owner = _owner(cls, "__getattr__")
+        if owner is not None and owner is not types.ModuleType:
+            hook = owner.__dict__["__getattr__"]
+            hooks.append(Note(class_dict(owner), "__getattr__", hook, f"{_class_label(owner)}.__getattr__"))
+    if "__getattr__" in attrs:  # PEP 562
+        hooks.append(Note(attrs, "__getattr__", attrs["__getattr__"], f"{module.__name__}.__getattr__"))
+    served = False
+    for attr in sorted(names):
+        if attr in attrs:
+            yield Note(attrs, attr, attrs[attr], f"{module.__name__}.{attr}")
+        elif hooks and not attr.startswith("__"):
+            served = True
+    if served:
+        for hook in hooks:
+            yield hook
+            f = _function(hook.value)
+            if f is not None:
+                for attr in sorted({n for code in _codes(f.__code__) for n in code.co_names}):
+                    if attr in attrs and attr not in names:
+                        yield Note(attrs, attr, attrs[attr], f"{module.__name__}.{attr}")
 
 
 def data_descriptor(cls: type, name: str) -> bool:

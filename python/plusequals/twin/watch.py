@@ -8,14 +8,15 @@ Rust (``plusequals._rust.Watch``), which every call of a ``RustBlock`` compares 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .. import _rust
 from . import casting
-from .reads import Note, code_reads
+from .reads import Note, read_code
+from .record import Ran
 
 __all__ = ["Watch", "class_name", "global_hook_kinds"]
 
@@ -102,6 +103,7 @@ class Watch:
         "lists",
         "code",
         "code_sizes",
+        "functions",
         "casting",
         "rust",
         "_seen",
@@ -124,7 +126,8 @@ class Watch:
         self.globals: List[dict] = list(_global_hooks().values())
         self.lists: List[Tuple[list, List[Any]]] = []  # lists whose items are watched (PEFT's merged_adapters)
         self.code: List[Note] = []  # what the forward's code reads: classes and module globals (twin/reads.py)
-        self.code_sizes: List[Tuple[dict, int]] = []  # the dicts of self.code, each once, and its size
+        self.code_sizes: List[Tuple[dict, int]] = []  # every dict the code's lookups consulted, once, and its size
+        self.functions: List[Any] = []  # every Python function the code reads followed: watched in place
         self.casting: List[Tuple[str, nn.Module, Any]] = []  # layerwise casting's hooks: (path, module, hook)
         self.rust: Any = None  # the Rust watch, made by seal()
         # (object, name, value) of every non-tensor value: what a traced forward compares, so
@@ -196,16 +199,21 @@ class Watch:
 
     def code_of(self, objs: List[Any]) -> None:
         """Notes what calling ``objs`` (the block's modules, its processors) reads as code: the
-        entries of their classes (MROs included) and the module globals their code reads
-        (:func:`plusequals.twin.reads.code_reads`), and the size of each dict read: a name added
+        entries of their classes (MROs included) and of the tensors' (``torch.Tensor``, the
+        parameters' classes), the module globals and builtins their code reads
+        (:func:`plusequals.twin.reads.read_code`), the size of each dict consulted, and every
+        Python function followed, in place (its code, defaults and closure cells): a name added
         later (a property ``eps`` on ``nn.LayerNorm``, a ``__call__`` on ``nn.Linear``, a global
-        that shadows a builtin) is a change, which reads the block again and probes the new entry."""
-        self.code = code_reads(objs)
-        seen = set()
-        for n in self.code:
-            if id(n.d) not in seen:
-                seen.add(id(n.d))
-                self.code_sizes.append((n.d, len(n.d)))
+        that shadows a builtin, a ``torch.Tensor.chunk``) or a function changed in place is a
+        change, which reads the block again and probes the new code."""
+        tensors = {torch.Tensor: None}
+        for obj in objs:
+            if isinstance(obj, nn.Module):
+                tensors.update((type(p), None) for p in obj._parameters.values() if isinstance(p, torch.Tensor))
+        reads = read_code(objs, classes=list(tensors))
+        self.code = reads.notes
+        self.code_sizes = [(d, len(d)) for d in reads.sized]
+        self.functions = reads.functions
 
     def state(self, m: nn.Module) -> None:
         """Notes every value on the instance ``m`` by identity: the state an unknown class's
@@ -274,20 +282,52 @@ class Watch:
         self._sized(hooks)
         return [str(name) for name in hooks]
 
+    def add(self, ran: Optional[Ran]) -> None:
+        """Adds what a recorded run of the PyTorch forward read (:mod:`plusequals.twin.record`),
+        from the values there now, to the code watched (each dict entry and function once), and
+        seals again. None: nothing recorded."""
+        if ran is None:
+            return
+        reads = ran.reads(self.functions)
+        have = {(id(n.d), n.key) for n in self.code if n.d is not None}
+        functions = {id(f) for f in self.functions}
+        sized = {id(d) for d, _ in self.code_sizes}
+        skip = set()
+        for f in reads.functions:
+            (functions if id(f) not in functions else skip).add(id(f))
+        self.functions += [f for f in reads.functions if id(f) not in skip]
+        owners = iter(reads.functions)
+        owner = None
+        for n in reads.notes:
+            if n.d is None:
+                if n.key == "__code__":
+                    owner = next(owners)
+                if id(owner) not in skip:
+                    self.code.append(n)
+            elif (id(n.d), n.key) not in have:
+                have.add((id(n.d), n.key))
+                self.code.append(n)
+        self.code_sizes += [(d, len(d)) for d in reads.sized if id(d) not in sized]
+        self.rust = self._rust()
+
     def seal(self) -> "Watch":
         self.lens = list(map(len, self.ldicts))
+        self.rust = self._rust()
+        self._seen = self._lseen = self._mseen = set()
+        return self
+
+    def _rust(self) -> Any:
         same = list(zip(self.vdicts, self.vkeys, self.values)) + list(zip(self.tdicts, self.tkeys, self.tensors))
-        same += [(n.d, n.key, n.value) for n in self.code]
-        self.rust = _rust.Watch(
+        same += [(n.d, n.key, n.value) for n in self.code if n.d is not None]
+        return _rust.Watch(
             same=same,
             classes=list(zip(self.modules, self.classes)),
             sizes=list(zip(self.ldicts, self.lens)) + self.code_sizes,
             empty=self.hook_dicts,
             keys=[(d, list(d)) for d in self.globals],
             lists=self.lists,
+            functions=self.functions,
         )
-        self._seen = self._lseen = self._mseen = set()
-        return self
 
     def unchanged(self) -> bool:
         return self.rust.unchanged()

@@ -1,0 +1,196 @@
+"""What the PyTorch forward *ran*, recorded at check time: :class:`Recorder` and :class:`Ran`.
+
+The reading (:mod:`plusequals.twin.reads`) derives the watch from the forward's code, to a bound
+(three calls deep, within torch and the block's packages) and without following data (a function
+taken from a dict: ``STRATEGIES[residual]``). At check time, the probe runs the PyTorch block
+once anyway: under a recorder (``sys.monitoring`` on 3.12+, ``sys.setprofile`` on 3.11), that run
+also says which Python code it executed, in which globals. :meth:`Ran.reads` turns it into more of
+the watch, from the values there now:
+
+* every global, builtin and module attribute each executed code object names, in the globals it
+  ran with (a global read four calls deep, in a helper of any package);
+* the function that holds each executed code object, wherever it is found (a module global, a
+  class attribute, an entry of a dict or an item of a list or tuple that is a global): watched in
+  place like the reading's (code, defaults, cells), and each dict entry that holds it by identity
+  (``STRATEGIES["op_plus_x"]`` replaced is a change, as is the global ``op_plus_x``: which one the
+  call took is not recorded, so either is).
+
+A code object no function was found for (a generator expression, a lambda made by each call) is
+nested in an executed code object, whose function is watched. A leaf (imports nothing of the
+package but :mod:`plusequals.twin.reads`).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+
+from .reads import Note, Reads, _codes, _function, _module_read, class_dict, function_state
+
+__all__ = ["Ran", "Recorder"]
+
+
+class Ran:
+    """The code objects one run executed, each once, with the globals and builtins it ran in, and
+    where each one's function was found: (container, key, label) for each place, the container a
+    dict (found there by key) or None (a list or tuple item, kept as the key)."""
+
+    def __init__(self, frames: List[Tuple[types.CodeType, dict, dict]], known: Set[int] = frozenset()) -> None:
+        self.frames = frames
+        self.places: Dict[int, List[Tuple[Any, Any, str]]] = {}
+        nested = {id(c) for code, _, _ in frames for c in list(_codes(code))[1:]}
+        for code, g, _ in frames:
+            if id(code) not in known and id(code) not in nested:
+                places = _find(code, g)
+                if places:
+                    self.places[id(code)] = places
+
+    def reads(self, watched: Iterable[types.FunctionType] = ()) -> Reads:
+        """The notes, sized dicts and functions of what ran, from the values there now; the
+        functions in ``watched`` (the reading's) are not noted again."""
+        notes: List[Note] = []
+        sized: Dict[int, dict] = {}
+        functions: List[types.FunctionType] = []
+        seen_notes: Set[Tuple[int, Any]] = set()
+        seen_functions = {id(f) for f in watched}
+
+        def note(n: Note) -> None:
+            if (id(n.d), n.key) not in seen_notes:
+                seen_notes.add((id(n.d), n.key))
+                notes.append(n)
+
+        for code, g, builtins in self.frames:
+            sized.setdefault(id(g), g)
+            where = g.get("__name__", "?")
+            for name in sorted(set(code.co_names)):
+                if name in g:
+                    value = g[name]
+                    note(Note(g, name, value, f"{where}.{name}"))
+                    if isinstance(value, types.ModuleType):
+                        for n in _module_read(value, set(code.co_names), sized):
+                            note(n)
+                elif name in builtins and not name.startswith("__"):
+                    sized.setdefault(id(builtins), builtins)
+                    note(Note(builtins, name, builtins[name], f"builtins.{name}"))
+            for container, key, label in self.places.get(id(code), ()):
+                if isinstance(container, dict):
+                    sized.setdefault(id(container), container)
+                    if key not in container:
+                        continue  # gone: the dict is sized
+                    value = container[key]
+                    note(Note(container, key, value, label))
+                else:
+                    value = key
+                f = _function(value)
+                if f is not None and id(f) not in seen_functions:
+                    seen_functions.add(id(f))
+                    functions.append(f)
+                    notes += [Note(None, k, v, f"{label}.{k}") for k, v in function_state(f)]
+        return Reads(notes, list(sized.values()), functions)
+
+
+def _find(code: types.CodeType, g: dict) -> List[Tuple[Any, Any, str]]:
+    """Every place of the globals it ran with where a function running ``code`` sits: a global, a
+    class attribute (of a class that is a global), an entry of a dict or an item of a list or
+    tuple that is a global."""
+    where = g.get("__name__", "?")
+    found: List[Tuple[Any, Any, str]] = []
+    for name, value in list(g.items()):
+        if _runs(value, code):
+            found.append((g, name, f"{where}.{name}"))
+        elif isinstance(value, type):
+            found += [
+                (class_dict(value), key, f"{where}.{name}.{key}")
+                for key, attr in list(vars(value).items())
+                if _runs(attr, code)
+            ]
+        elif isinstance(value, dict):
+            items = list(value.items())
+            found += [(value, key, f"{where}.{name}[{key!r}]") for key, item in items if _runs(item, code)]
+        elif isinstance(value, (list, tuple)):
+            found += [(None, item, f"{where}.{name}[...]") for item in value if _runs(item, code)]
+    return found
+
+
+def _runs(value: Any, code: types.CodeType) -> bool:
+    f = _function(value) if not isinstance(value, type) else None
+    return f is not None and f.__code__ is code
+
+
+class Recorder:
+    """Records the Python code a call runs (:meth:`call`), as a :class:`Ran` (:attr:`ran`;
+    None where nothing could be recorded: another tool holds every ``sys.monitoring`` id). The
+    functions of ``known`` (the reading's, watched already) are not looked for."""
+
+    def __init__(self, known: Iterable[types.FunctionType] = ()) -> None:
+        self.ran: Optional[Ran] = None
+        self.known = {id(f.__code__) for f in known}
+
+    def call(self, f, *args: Any, **kwargs: Any) -> Any:
+        """``f(*args, **kwargs)``, recorded: only the frames it starts (none of this module's), with
+        the cyclic garbage collector off, whose callbacks and finalizers are no part of the forward
+        (hypothesis' ``gc.callbacks`` write their module's globals on every collection)."""
+        frames: List[Tuple[types.CodeType, dict, dict]] = []
+        seen: set = set()
+
+        def started(frame: types.FrameType) -> None:
+            code = frame.f_code
+            if id(code) not in seen and frame.f_globals is not _HERE:  # not the recorder's own stop
+                seen.add(id(code))
+                frames.append((code, frame.f_globals, frame.f_builtins))
+
+        if hasattr(sys, "monitoring"):  # pragma: no cover  (3.12+)
+            stop = _monitor(started)
+        else:
+            stop = _profile(started)
+        if stop is None:
+            return f(*args, **kwargs)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            out = f(*args, **kwargs)
+        finally:
+            stop()
+            if collecting:
+                gc.enable()
+        self.ran = Ran(frames, self.known)
+        return out
+
+
+_HERE = globals()
+
+
+def _profile(started) -> Callable[[], None]:
+    """3.11: ``sys.setprofile`` for this thread, chained to a profiler already set; returns the
+    function that puts the previous one back."""
+    previous = sys.getprofile()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            started(frame)
+        if previous is not None:
+            previous(frame, event, arg)
+
+    sys.setprofile(profile)
+    return lambda: sys.setprofile(previous)
+
+
+def _monitor(started) -> Optional[Callable[[], None]]:  # pragma: no cover  (3.12+)
+    """3.12+: ``PY_START`` events of ``sys.monitoring`` under a free tool id (None: none is free);
+    returns the function that frees it."""
+    mon = sys.monitoring
+    tool = next((t for t in range(6) if mon.get_tool(t) is None), None)
+    if tool is None:
+        return None
+    mon.use_tool_id(tool, "plusequals.record")
+    mon.register_callback(tool, mon.events.PY_START, lambda code, offset: started(sys._getframe(1)))
+    mon.set_events(tool, mon.events.PY_START)
+
+    def stop() -> None:
+        mon.set_events(tool, 0)
+        mon.register_callback(tool, mon.events.PY_START, None)
+        mon.free_tool_id(tool)
+
+    return stop
