@@ -2,8 +2,9 @@
 ``torch.fx`` traces, under the audit: they run exactly as without it (the same results, bit for
 bit; the same graphs and compile counts) and are counted as not audited, with the reason, in the
 text, the JSON, the SARIF log and the plugin's section: one per outermost module call, each time
-the compiled frame runs. ``plusequals.audit`` of what ``torch.compile`` returned audits the code
-it compiled, eagerly, and leaves the compiled graph alone."""
+the compiled frame runs. One called inside an audited call runs with the audit stepped aside (as
+without it, bit for bit) and counts one call. ``plusequals.audit`` of what ``torch.compile``
+returned audits the code it compiled, eagerly, and leaves the compiled graph alone."""
 
 from __future__ import annotations
 
@@ -232,3 +233,112 @@ def test_an_export_strict_or_not_is_one_call_and_its_graph_is_the_plain_ones():
         audited = [str(torch.export.export(Twice(net), (x,), strict=strict).graph) for strict in (False, True)]
     assert audited == plain
     assert scope.calls == [] and scope.not_audited == {EXPORT: 2}
+
+
+class Calls(nn.Module):
+    """An eager module whose forward calls ``step``, a compiled function or module, ``runs``
+    times (what an audited call of it runs inside)."""
+
+    def __init__(self, step, runs: int) -> None:
+        super().__init__()
+        self.step, self.runs = step, runs
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.step(t * (i + 1)) for i in range(self.runs)]).cos()
+
+
+def _compiled_inside(scoped: bool, module: bool, graph_break: bool, grad: bool, runs: int, backward: bool):
+    """One program, plain or in a scope: an audited call runs a compiled function (or module),
+    then the program calls it directly. Returns what it computed, the compile counts, what was
+    warned, and the scope."""
+    import warnings
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    net, x = _net(), torch.randn(3, 8, generator=torch.Generator().manual_seed(1), requires_grad=grad)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        y = net(t).relu()
+        if graph_break:
+            torch._dynamo.graph_break()
+        return (net(y.repeat(1, 4)) * t[:, :2]).sum()
+
+    counter = CompileCounterWithBackend("aot_eager")
+
+    class Fn(nn.Module):
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return fn(t)
+
+    step = torch.compile(Fn() if module else fn, backend=counter)
+    scope = AuditScope(backward=backward)
+    with warnings.catch_warnings(record=True) as warned, torch.set_grad_enabled(grad):
+        warnings.simplefilter("always")
+        with scope if scoped else contextlib.nullcontext():
+            outs = [Calls(step, runs)(x), step(x)]
+        outs.append(step(x))
+        if grad:
+            outs.append(torch.autograd.grad(outs[0].sum() + outs[1], x)[0])
+    return outs, (counter.frame_count, counter.op_count), [str(w.message) for w in warned], scope
+
+
+@settings(max_examples=examples(8), deadline=None)
+@given(
+    module=st.booleans(), graph_break=st.booleans(), grad=st.booleans(), runs=st.integers(1, 2), backward=st.booleans()
+)
+def test_a_compiled_function_inside_an_audited_call_runs_as_without_the_audit(
+    module, graph_break, grad, runs, backward
+):
+    """The audit steps aside while it runs: the same bits (its results, later ones, the
+    gradients), the same compile counts, nothing warned; each call of it counted."""
+    plain, compiled, warned, _ = _compiled_inside(False, module, graph_break, grad, runs, backward)
+    outs, compiled_, warned_, scope = _compiled_inside(True, module, graph_break, grad, runs, backward)
+    assert len(outs) == len(plain) and all(torch.equal(a, b) for a, b in zip(plain, outs))
+    assert compiled_ == compiled and warned_ == warned == []
+    assert [c.module for c in scope.calls] == ["Calls"] and scope.calls[0].report.clean
+    # each call inside the audited one; the outermost module calls of the direct run's frames
+    direct = 1 if module else 2
+    assert scope.not_audited == {COMPILE: runs + direct}
+
+
+class Writes(nn.Module):
+    def __init__(self, step) -> None:
+        super().__init__()
+        self.step = step
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.step(t) * 2
+
+
+def test_a_compiled_function_inside_an_audited_call_is_one_call_not_audited_and_its_write_unseen():
+    """No module call inside it: still counted, once per call; its write into the audited call's
+    argument (``E0596`` in eager code) is not seen."""
+    step = torch.compile(lambda t: t.add_(1), backend="eager")
+    given = torch.ones(3)
+    with AuditScope() as scope:
+        Writes(step)(given)
+        Writes(step)(given)
+    assert torch.equal(given, torch.full((3,), 3.0))
+    assert [c.report.clean for c in scope.calls] == [True, True] and scope.not_audited == {COMPILE: 2}
+
+
+UNHOOKED = """\
+import torch
+import torch._dynamo
+from torch import nn
+
+net = nn.Linear(4, 2)
+step = torch._dynamo.optimize("eager")(lambda t: net(t).sum())
+print(step(torch.ones(2, 4)).item() == net(torch.ones(2, 4)).sum().item())
+"""
+
+
+def test_dynamo_imported_in_the_scope_without_torch_compile_counts_nothing(tmp_path):
+    """The limit the guide states: Dynamo imported after ``audit run`` opened its scope, and used
+    before ``torch.compile`` or an audited call, took the scope's module call for torch's."""
+    (tmp_path / "unhooked.py").write_text(UNHOOKED)
+    audited = _python(tmp_path, "-m", "plusequals", "audit", "run", "unhooked.py")
+    assert audited.returncode == 0, audited.stderr
+    assert audited.stdout == "True\n"
+    # the eager call of ``net`` only: the compiled call is neither audited nor counted
+    assert audited.stderr == "no errors in 1 audited call\n", audited.stderr

@@ -163,6 +163,30 @@ class ModuleWatch:
         self._handles.append(register_module_forward_pre_hook(self._enter))
         self._handles.append(register_module_forward_hook(self._leave, with_kwargs=True, always_call=True))
 
+    def pause(self) -> Callable[[], None]:
+        """Lifts the watch's global hooks (a compiled function runs inside the call: Dynamo would
+        trace them); returns what puts them back, in their places among torch's global hooks."""
+        ids = {h.id for h in self._handles}
+        tables = [
+            _module._global_forward_pre_hooks,
+            _module._global_forward_hooks,
+            _module._global_forward_hooks_always_called,
+            _module._global_forward_hooks_with_kwargs,
+        ]
+        before = [list(t.items()) for t in tables]
+        for t in tables:
+            for i in ids:
+                t.pop(i, None)
+
+        def resume() -> None:
+            for t, items in zip(tables, before):
+                now = dict(t)
+                t.clear()
+                t.update((k, v) for k, v in items if k in ids or k in now)
+                t.update((k, v) for k, v in now.items() if k not in t)
+
+        return resume
+
     def detach(self) -> None:
         for h in self._handles:
             h.remove()

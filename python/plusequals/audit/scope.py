@@ -33,7 +33,7 @@ from .mode import PythonCalls, Recorder, WriteWatch
 from .modules import Arg, ModuleWatch, arguments
 from .report import AuditReport, Finding
 from .saved import SavedTensors, reachable
-from .tracers import Tracers, in_compiled_code, module_call, traced_by_dynamo
+from .tracers import COMPILE, Tracers, in_compiled_code, module_call, traced_by_dynamo
 
 __all__ = ["AuditScope", "AuditedCall", "CallAudit", "backward_from", "child", "describe", "roots", "tracer"]
 
@@ -79,6 +79,33 @@ def backward_from(out: Any, keep: bool, leaves: Iterable[Tensor] = ()) -> None:
             t.grad = g
 
 
+def _lift(
+    length: Callable[[], int],
+    at: Callable[[int], Any],
+    pop: Callable[[], Any],
+    push: Callable[[Any], None],
+    mine: tuple,
+) -> Callable[[], None]:
+    """Takes the modes in ``mine`` off a mode stack (the others keep their order); returns what
+    puts them back where they were."""
+    stack = [at(i) for i in range(length())]
+    ours = [i for i, m in enumerate(stack) if any(m is x for x in mine)]
+    if not ours:
+        return lambda: None
+    popped = [pop() for _ in range(len(stack) - ours[0])][::-1]  # bottom first
+    kept = [m for m in popped if not any(m is x for x in mine)]
+    for m in kept:
+        push(m)
+
+    def restore() -> None:
+        for _ in kept:
+            pop()
+        for m in popped:
+            push(m)
+
+    return restore
+
+
 class CallAudit:
     """The watchers of one audited call of ``model``; ``stop`` is the frame that calls it. Inside
     :meth:`watching`, the forward runs in :meth:`forward` (every op dispatched to the write watch)
@@ -95,6 +122,7 @@ class CallAudit:
         self.watch = WriteWatch(self.modules, self.saved, self.recorder)
         self.report = AuditReport(modules=self.modules.watched)
         self.files = source_files(model)
+        self.python_calls: List[PythonCalls] = []
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[AuditReport]:
@@ -112,11 +140,43 @@ class CallAudit:
         """The forward phase: every aten op through the write watch."""
         return self.watch
 
+    def aside(self) -> Callable[[], None]:
+        """Lifts the watch (its dispatch and function modes, the module hooks) while code it must
+        not see runs (a compiled function); returns what puts it back as it was."""
+        mine = (self.watch, *self.python_calls)
+        dispatch = _lift(
+            torch._C._len_torch_dispatch_stack,
+            torch._C._get_dispatch_stack_at,
+            lambda: torch._C._pop_torch_dispatch_stack(None),
+            torch._C._push_on_torch_dispatch_stack,
+            mine,
+        )
+        function = _lift(
+            torch._C._len_torch_function_stack,
+            torch._C._get_function_stack_at,
+            torch._C._pop_torch_function_stack,
+            torch._C._push_on_torch_function_stack,
+            mine,
+        )
+        hooks = self.modules.pause()
+        done: List[bool] = []
+
+        def resume() -> None:
+            if not done:
+                done.append(True)
+                hooks()
+                function()
+                dispatch()
+
+        return resume
+
     def backward(self, out: Any, keep: bool, leaves: Iterable[Tensor] = ()) -> None:
         """The backward phase: errors recorded in ``backward_error``, not raised."""
         self.watch.phase = "backward"
+        calls = PythonCalls(self.watch)
+        self.python_calls.append(calls)
         try:
-            with PythonCalls(self.watch):
+            with calls:
                 backward_from(out, keep, leaves)
         except Exception as e:  # the model's own error: recorded, findings before it kept
             self.report.backward_error = describe(e)
@@ -228,7 +288,7 @@ def _audited_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return scope.call(module, args, kwargs)
 
 
-module_call(_audited_call)
+module_call(_audited_call, _ORIGINAL_CALL)
 
 
 @contextlib.contextmanager
@@ -262,7 +322,8 @@ class AuditScope:
         self.reads = CallerReads()
         # the outermost calls run but not audited, by why (``under a tracer (torch.jit.trace)``)
         self.not_audited: Dict[str, int] = {}
-        self.tracers = Tracers(self.count)  # torch.compile'd functions, FX and export traces
+        self.unit: Optional[CallAudit] = None  # the audited call running
+        self.tracers = Tracers(self.count, self.step_aside)  # torch.compile'd functions, FX and export traces
 
     def __enter__(self) -> "AuditScope":
         if _ACTIVE:
@@ -318,15 +379,25 @@ class AuditScope:
             out.append(f"{n} of these calls ran in {len(pids)} {kind}ed worker process{'es' * (len(pids) != 1)}")
         return out
 
-    def count(self, why: str, n: int = 1) -> None:
+    def count(self, why: str, n: int = 1, inside: bool = False) -> None:
         """``n`` outermost calls of this scope's thread ran but were not audited, because ``why``
-        (nothing when an audited call is running: they are its own)."""
-        if self.busy or threading.get_ident() != self.thread:
+        (nothing when an audited call is running: they are its own; ``inside``: a call inside
+        it that it did not audit)."""
+        if (self.busy and not inside) or threading.get_ident() != self.thread:
             return
         self.not_audited[why] = self.not_audited.get(why, 0) + n
         if self.child is not None:
             for _ in range(n):
                 dump(self.child[1], self.child[0], AuditedCall(why, "", None), [])  # type: ignore[arg-type]
+
+    def step_aside(self) -> Optional[Callable[[], None]]:
+        """A compiled function starts inside the audited call of this thread (if one runs): it is
+        counted, and runs unwatched until the returned function puts the watch back."""
+        unit = self.unit
+        if unit is None or threading.get_ident() != self.thread:
+            return None
+        self.count(COMPILE, 1, inside=True)
+        return unit.aside()
 
     def aside(self, why: str, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Runs an outermost call as it would run without the audit (nothing watches it, nor the
@@ -349,6 +420,8 @@ class AuditScope:
         caller = location(frame)
         unit = CallAudit(module, args, kwargs, stop=sys._getframe())
         versions = _versions(arguments(module, args, kwargs, {}))
+        self.tracers.hook_dynamo()  # Dynamo imported since the scope opened
+        self.unit = unit
         try:
             with unit.watching() as report:
                 try:
@@ -361,6 +434,8 @@ class AuditScope:
                 if self.backward and roots(out):
                     unit.backward(out, keep=True, leaves=module.parameters())
         finally:
+            self.tracers.resume()
+            self.unit = None
             self.busy = False
             self.allows.watch(unit.files)
             transform = type(module).__module__.startswith("torchvision.transforms")

@@ -12,10 +12,17 @@ silently dropped): the audit cannot watch them, and leaves them exactly as they 
   the trace of a module, is one call; the trace of a function counts the outermost module calls
   it makes. The traces AOTAutograd makes inside ``torch.compile`` are not counted (the compiled
   frame is, when it runs).
+* A function compiled with ``torch.compile`` called inside an audited call: the scope steps
+  aside (``aside``: its dispatch modes and module hooks lifted) from the moment the compiled
+  function sets Dynamo's frame callback (``_maybe_set_eval_frame`` in ``torch._dynamo.eval_frame``,
+  looked up there on each call) until that same call of the compiled function resets it: Dynamo
+  traces and runs it as it would without the audit (with a mode on the stack it would skip the
+  frame and compile the audit's own handler instead).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from types import CodeType, FrameType
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -59,10 +66,25 @@ def _tally(ctx: Any) -> None:
         _OPEN[-1].hook_dynamo()
 
 
-def module_call(fn: Callable[..., Any]) -> None:
-    """``fn`` is the scope's ``nn.Module.__call__`` (set once, at import: never while Dynamo
-    traces, which would make the write a side effect of the compiled code)."""
+_UNPATCHED: List[Callable[..., Any]] = []  # torch's own ``nn.Module.__call__``
+
+
+def module_call(fn: Callable[..., Any], original: Callable[..., Any]) -> None:
+    """``fn`` is the scope's ``nn.Module.__call__``, ``original`` torch's (set once, at import:
+    never while Dynamo traces, which would make the write a side effect of the compiled code)."""
     _MARKER.append(fn.__code__)
+    _UNPATCHED.append(original)
+
+
+def _unpatched(utils: Any) -> None:
+    """Dynamo imported while the scope was open took the scope's ``nn.Module.__call__`` for
+    torch's own, and would skip it (no tally): it gets torch's, as without the audit."""
+    if getattr(utils, "unpatched_nn_module_call", None) is _UNPATCHED[0]:
+        return
+    utils.unpatched_nn_module_call = _UNPATCHED[0]
+    nn_module = sys.modules.get("torch._dynamo.variables.nn_module")
+    if nn_module is not None and hasattr(nn_module, "unpatched_nn_module_call"):
+        nn_module.unpatched_nn_module_call = _UNPATCHED[0]
 
 
 def traced_by_dynamo() -> None:
@@ -77,9 +99,16 @@ class Tracers:
     """The hooks, installed while a scope is open; ``count(why, n)`` is the scope's (it checks
     its thread, and that no audited call is running)."""
 
-    def __init__(self, count: Callable[[str, int], None]) -> None:
+    def __init__(
+        self, count: Callable[[str, int], None], aside: Callable[[], Optional[Callable[[], None]]] = lambda: None
+    ) -> None:
         self.count = count
+        self.aside = aside  # inside an audited call: steps aside, and returns what puts it back
         self._enter: Optional[Callable[[], Any]] = None
+        self._eval: Optional[Callable[[Any], Any]] = None
+        self._compile: Optional[Callable[..., Any]] = None
+        self._module_call: Optional[Callable[..., Any]] = None
+        self._stepped: List[Tuple[Optional[FrameType], Callable[[], None]]] = []  # (the compiled call's frame, resume)
         self._fx: Optional[Tuple[Any, Any]] = None
         self._mode: Optional[str] = None  # in an FX trace: FX (a function's: count its calls), or "" (counted)
         self._depth = 0  # the module calls running in that trace
@@ -114,10 +143,26 @@ class Tracers:
                 hooks._depth -= 1
 
         tracer.trace, tracer.call_module = counted_trace, counted_call  # type: ignore[method-assign]
+        if self._eval is None:  # Dynamo not imported yet: hooked once torch.compile imports it
+            self._compile = original = torch.compile
+
+            @functools.wraps(original)
+            def compile(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    hooks.hook_dynamo()
+
+            torch.compile = compile
         return self
 
     def hook_dynamo(self) -> None:
+        if self not in _OPEN:
+            return
+        self._hook_eval_frame()
         utils = sys.modules.get("torch._dynamo.utils")
+        if utils is not None and _UNPATCHED:
+            _unpatched(utils)
         if self._enter is not None or utils is None or not hasattr(utils, "record_pregraph_bytecode_enter"):
             return
         self._enter = enter = utils.record_pregraph_bytecode_enter
@@ -131,8 +176,64 @@ class Tracers:
 
         utils.record_pregraph_bytecode_enter = counted
 
+    def _hook_eval_frame(self) -> None:
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        if self._eval is not None or eval_frame is None or not hasattr(eval_frame, "_maybe_set_eval_frame"):
+            return
+        self._eval = original = eval_frame._maybe_set_eval_frame
+        stepped = self._stepped
+
+        def set_eval_frame(callback: Any) -> Any:
+            if stepped:  # the compiled call that stepped aside resets the callback on its way out
+                if sys._getframe(1) is not stepped[-1][0]:
+                    return original(callback)
+                try:
+                    return original(callback)
+                finally:
+                    stepped.pop()[1]()
+            if callback is not None:  # compiled code runs from here (None: a disabled function's)
+                resume = self.aside()
+                if resume is not None:
+                    stepped.append((sys._getframe(1), resume))
+            return original(callback)
+
+        eval_frame._maybe_set_eval_frame = set_eval_frame
+        optimized = eval_frame.OptimizedModule
+        self._module_call = optimized_call = optimized.__dict__.get("__call__")
+        if optimized_call is None:
+            return
+
+        def call(module: Any, *args: Any, **kwargs: Any) -> Any:
+            # a compiled module steps aside before its own check of the global module hooks
+            resume = None if stepped else self.aside()
+            if resume is None:
+                return optimized_call(module, *args, **kwargs)
+            stepped.append((None, resume))
+            try:
+                return optimized_call(module, *args, **kwargs)
+            finally:
+                stepped.pop()[1]()
+
+        optimized.__call__ = call
+
+    def resume(self) -> None:
+        """Puts the audit back if a compiled call left it aside (it raised before resetting)."""
+        while self._stepped:
+            self._stepped.pop()[1]()
+
     def __exit__(self, *exc: Any) -> None:
         _OPEN.remove(self)
+        self.resume()
+        if self._compile is not None:
+            if getattr(torch.compile, "__wrapped__", None) is self._compile:
+                torch.compile = self._compile
+            self._compile = None
+        if self._eval is not None:
+            eval_frame = sys.modules["torch._dynamo.eval_frame"]
+            eval_frame._maybe_set_eval_frame = self._eval
+            if self._module_call is not None:
+                eval_frame.OptimizedModule.__call__ = self._module_call
+            self._eval = self._module_call = None
         if self._enter is not None:
             sys.modules["torch._dynamo.utils"].record_pregraph_bytecode_enter = self._enter
             self._enter = None
