@@ -157,13 +157,7 @@ def read_code(
     closure cell, a ``functools.wraps``' ``__wrapped__``. Each function followed is noted in place
     (:func:`function_state`)."""
     objs = list(objs)
-    everything = classes_of(objs)
-    seen_classes = {id(c) for c in everything}
-    for cls in classes:
-        for c in cls.__mro__:
-            if id(c) not in seen_classes and _mutable(c):
-                seen_classes.add(id(c))
-                everything.append(c)
+    everything = _all_classes(objs, classes)
     notes = [
         Note(class_dict(c), k, v, f"{_class_label(c)}.{k}")
         for c in everything
@@ -172,12 +166,7 @@ def read_code(
     ]
     sized: Dict[int, dict] = {id(class_dict(c)): class_dict(c) for c in everything}
     methods = [(class_dict(c), _class_label(c)) for c in everything]
-    queue: List[Tuple[Any, int, str]] = []
-    for cls in {type(o): None for o in objs}:
-        for entry in entries:
-            owner = _owner(cls, entry)
-            if owner is not None:
-                queue.append((owner.__dict__[entry], 0, f"{_class_label(owner)}.{entry}"))
+    queue = _entry_points(objs, entries)
     roots = {"torch"} | {_root(c.__module__) for c in everything}
     seen: Set[int] = set()
     functions: List[types.FunctionType] = []
@@ -206,6 +195,26 @@ def read_code(
         if deeper:  # a method called by name, or implicitly, on an object of these classes (self.helper())
             queue += [(d[n], depth + 1, f"{where}.{n}") for n in sorted(names) for d, where in methods if n in d]
     return Reads(notes, list(sized.values()), functions)
+
+
+def _all_classes(objs: List[Any], classes: Iterable[type]) -> List[type]:
+    """The mutable classes in the MROs of ``objs`` (:func:`classes_of`) and of ``classes``, once each."""
+    everything = classes_of(objs)
+    seen = {id(c) for c in everything}
+    for c in (c for cls in classes for c in cls.__mro__):
+        if id(c) not in seen and _mutable(c):
+            seen.add(id(c))
+            everything.append(c)
+    return everything
+
+
+def _entry_points(objs: List[Any], entries: Iterable[str]) -> List[Tuple[Any, int, str]]:
+    """The ``entries`` methods of the classes of ``objs``, as :func:`read_code`'s queue starts:
+    (function, depth 0, label)."""
+    owners = [(_owner(cls, entry), entry) for cls in {type(o): None for o in objs} for entry in entries]
+    return [
+        (owner.__dict__[entry], 0, f"{_class_label(owner)}.{entry}") for owner, entry in owners if owner is not None
+    ]
 
 
 def function_state(f: types.FunctionType) -> List[Tuple[str, Any]]:

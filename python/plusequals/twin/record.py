@@ -62,18 +62,8 @@ class Ran:
                 notes.append(n)
 
         for code, g, builtins in self.frames:
-            sized.setdefault(id(g), g)
-            where = g.get("__name__", "?")
-            for name in sorted(set(code.co_names)):
-                if name in g:
-                    value = g[name]
-                    note(Note(g, name, value, f"{where}.{name}"))
-                    if isinstance(value, types.ModuleType):
-                        for n in _module_read(value, set(code.co_names), sized):
-                            note(n)
-                elif name in builtins and not name.startswith("__"):
-                    sized.setdefault(id(builtins), builtins)
-                    note(Note(builtins, name, builtins[name], f"builtins.{name}"))
+            for n in _names_read(code, g, builtins, sized):
+                note(n)
             for container, key, label in self.places.get(id(code), ()):
                 if isinstance(container, dict):
                     sized.setdefault(id(container), container)
@@ -89,6 +79,24 @@ class Ran:
                     functions.append(f)
                     notes += [Note(None, k, v, f"{label}.{k}") for k, v in function_state(f)]
         return Reads(notes, list(sized.values()), functions)
+
+
+def _names_read(code: types.CodeType, g: dict, builtins: dict, sized: Dict[int, dict]) -> List[Note]:
+    """The globals and builtins ``code`` names, as it ran with ``g`` and ``builtins`` (a module's
+    attributes named there too); the dicts consulted are added to ``sized``."""
+    sized.setdefault(id(g), g)
+    where = g.get("__name__", "?")
+    out: List[Note] = []
+    for name in sorted(set(code.co_names)):
+        if name in g:
+            value = g[name]
+            out.append(Note(g, name, value, f"{where}.{name}"))
+            if isinstance(value, types.ModuleType):
+                out += _module_read(value, set(code.co_names), sized)
+        elif name in builtins and not name.startswith("__"):
+            sized.setdefault(id(builtins), builtins)
+            out.append(Note(builtins, name, builtins[name], f"builtins.{name}"))
+    return out
 
 
 def _find(code: types.CodeType, g: dict) -> List[Tuple[Any, Any, str]]:
