@@ -342,3 +342,15 @@ def test_dynamo_imported_in_the_scope_without_torch_compile_counts_nothing(tmp_p
     assert audited.stdout == "True\n"
     # the eager call of ``net`` only: the compiled call is neither audited nor counted
     assert audited.stderr == "no errors in 1 audited call\n", audited.stderr
+
+
+def test_a_frame_compiled_before_the_scope_opened_is_counted_only_inside_an_audited_call():
+    """The limit the guide states: compiled before the scope (no tally), a run of its own is
+    unseen; a call of it inside an audited call steps aside and counts one, as any does."""
+    net, x = _net(), torch.ones(3, 8)
+    step = torch.compile(lambda t: net(t).sum(), backend="eager")
+    before = step(x)
+    with AuditScope() as scope:
+        outs = [step(x), Calls(step, 2)(x)]
+    assert torch.equal(outs[0], before) and torch.equal(outs[1], torch.stack([step(x), step(x * 2)]).cos())
+    assert scope.not_audited == {COMPILE: 2}
