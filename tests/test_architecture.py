@@ -24,8 +24,8 @@ import torch
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "plusequals"
 # docs/architecture.md's layers, bottom first: a module imports only from its own layer or one below.
 # The package itself (its __init__, re-exporting) and __main__ are the top.
-LAYERS = ("_rust", "errors", "model", "twin", "audit", "cases", "bench", "cli")
-ALONE = ("model", "audit")  # import nothing of the package but themselves
+LAYERS = ("_rust", "errors", "model", "twin", "auditing", "cases", "bench", "cli")
+ALONE = ("model", "auditing")  # import nothing of the package but themselves
 
 
 def module_name(path: Path) -> str:
@@ -125,19 +125,19 @@ def against_the_layers(graph: dict[str, set[str]]) -> list[str]:
 
 def test_imports_point_down_the_layers():
     graph = import_graph()
-    assert {"plusequals.audit", "plusequals.model.blocks"} <= graph["plusequals.cases.project"]
+    assert {"plusequals.auditing", "plusequals.model.blocks"} <= graph["plusequals.cases.project"]
     assert against_the_layers(graph) == []
 
 
 def test_the_layer_check_finds_an_import_up_or_out():
     graph = {
         "plusequals.model.blocks": {"plusequals.twin.block"},  # up
-        "plusequals.audit.scope": {"plusequals.errors"},  # down, but the audit imports nothing else
+        "plusequals.auditing.scope": {"plusequals.errors"},  # down, but the audit imports nothing else
         "plusequals.cli.demo": {"plusequals.twin.block", "plusequals.cli.terminal"},  # down, and within
         "plusequals.twin.block": {"plusequals"},  # the package's __init__ is the top
     }
     assert against_the_layers(graph) == [
-        "plusequals.audit.scope -> plusequals.errors",
+        "plusequals.auditing.scope -> plusequals.errors",
         "plusequals.model.blocks -> plusequals.twin.block",
         "plusequals.twin.block -> plusequals",
     ]
@@ -199,7 +199,7 @@ def test_importing_plusequals_leaves_dynamo_unimported_and_the_trace_check_marke
     """``import plusequals`` (every audited program, DataLoader worker and child process pays it)
     does not import Dynamo; the trace-time check carries exactly the mark that
     ``torch.compiler.assume_constant_result`` gives, so torch.compile still treats it as constant."""
-    code = "import sys, plusequals, plusequals.audit; print('torch._dynamo' in sys.modules)"
+    code = "import sys, plusequals, plusequals.auditing; print('torch._dynamo' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
     from plusequals import RustBlock
 

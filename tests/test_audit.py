@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from plusequals.audit import AuditReport, audit
-from plusequals.audit.frames import short_path
+from plusequals.auditing import AuditReport, audit
+from plusequals.auditing.frames import short_path
 from plusequals.cases import project as cases
 from plusequals.model.blocks import STRATEGIES
 from plusequals.model.bugs import VERSION_COUNTER
@@ -442,7 +442,7 @@ def _traced(frame) -> bool:
     monitoring = getattr(sys, "monitoring", None) if sys.version_info >= (3, 12) else None
     if monitoring is None:
         return frame.f_trace is not None or getattr(sys.gettrace(), "__self__", None).__class__.__name__ == "MoveTracer"
-    tools = [t for t in range(6) if monitoring.get_tool(t) == "plusequals.audit"]
+    tools = [t for t in range(6) if monitoring.get_tool(t) == "plusequals.auditing"]
     return any(monitoring.get_local_events(t, frame.f_code) for t in tools)
 
 
@@ -579,13 +579,18 @@ def test_non_reentrant_checkpointing_saves_under_hooks_and_is_a_move_only():
     assert report.summary().startswith("no findings")  # never "clean" when backward raised
 
 
-def test_plusequals_audit_is_the_function_and_the_package():
-    """``plusequals.audit`` is a plain function (no callable module); the package's modules still
-    import as ``plusequals.audit.report``."""
+def test_plusequals_audit_is_a_function_that_hides_no_package():
+    """``plusequals.audit`` is a plain function (no callable module); the audit's package is
+    ``plusequals.auditing``, so no import of a submodule is hidden by the function."""
+    import importlib
     import inspect
 
     import plusequals
-    from plusequals.audit import report as imported
+
+    imported = importlib.import_module("plusequals.auditing.report")
+    assert plusequals.audit is importlib.import_module("plusequals.auditing").audit
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("plusequals.audit")
 
     report = plusequals.audit(Writer(lambda t: t, WRITES["add_"][0]), torch.randn(3))
     assert isinstance(report, plusequals.AuditReport) and report.codes == ["E0596"]

@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import examples
-from plusequals.audit import audit
+from plusequals.auditing import audit
 
 # Ways to write through a name `{n}`: each is an in-place write into the tensor object it names
 # (`{n}[0] = ...` writes a view of it, which E0499 does not compare: see the guide's limits).

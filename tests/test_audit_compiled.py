@@ -23,8 +23,8 @@ from torch import nn
 
 import plusequals
 from conftest import examples
-from plusequals.audit.scope import AuditScope
-from plusequals.audit.tracers import COMPILE, EXPORT, FX
+from plusequals.auditing.scope import AuditScope
+from plusequals.auditing.tracers import COMPILE, EXPORT, FX
 
 pytest_plugins = ["pytester"]
 PYTHONPATH = str(Path(__file__).resolve().parents[1] / "python")
@@ -121,7 +121,7 @@ def test_the_plugin_says_how_many_compiled_calls_it_did_not_audit(pytester, monk
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     monkeypatch.setenv("PYTHONPATH", PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
     pytester.makepyfile(test_compiled=textwrap.dedent(PLUGIN_TESTS))
-    result = pytester.runpytest_subprocess("-p", "plusequals.audit.plugin", "--plusequals-audit", "-rA")
+    result = pytester.runpytest_subprocess("-p", "plusequals.auditing.plugin", "--plusequals-audit", "-rA")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*plusequals audit*", "*note: 2 calls under a tracer (torch.compile) not audited*"])
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conftest import examples
-from plusequals.audit import audit
+from plusequals.auditing import audit
 
 # Mutations of a list `c` or a dict `c` (each changes what it holds), and reads that do not.
 LIST = {

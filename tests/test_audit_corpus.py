@@ -48,7 +48,7 @@ def test_two_live_names_for_one_tensor_in_one_function_is_E0499_but_a_view_is_a_
     import torch
     from torch import nn
 
-    from plusequals.audit import audit
+    from plusequals.auditing import audit
 
     case = next(c for c in corpus.CAUGHT if c.code == "E0499")
     (f,) = corpus.run_case(case, fixed=False).findings
@@ -86,8 +86,8 @@ def test_two_names_are_caught_once_a_module_boundary_or_autograd_is_between_them
     import torch
     from torch import nn
 
-    from plusequals.audit import audit
-    from plusequals.audit.frames import short_path
+    from plusequals.auditing import audit
+    from plusequals.auditing.frames import short_path
 
     class AddResidual(nn.Module):
         def forward(self, res, extra):

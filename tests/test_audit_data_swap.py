@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conftest import examples
-from plusequals.audit import audit
-from plusequals.audit.frames import short_path
+from plusequals.auditing import audit
+from plusequals.auditing.frames import short_path
 
 # Ops that save the parameter itself (autograd unpacks the same tensor in backward), and one that
 # saves only what it computed from it.

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import plusequals
-from plusequals.audit import Finding, audit
-from plusequals.audit.diagnostics import build, render
+from plusequals.auditing import Finding, audit
+from plusequals.auditing.diagnostics import build, render
 
 _COUNTER = itertools.count()
 
@@ -184,7 +184,7 @@ def test_mypy_accepts_the_readmes_call(tmp_path):
 def test_a_scope_audits_outermost_calls_of_its_thread_only_and_leaves_audit_to_itself():
     import threading
 
-    from plusequals.audit.scope import AuditScope
+    from plusequals.auditing.scope import AuditScope
 
     model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4))  # writes into its caller's tensor: E0596
     inner, original = nn.Sequential(model), nn.Module.__call__
@@ -217,8 +217,8 @@ NAMES = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True).filter(lambda s: 
 def test_the_caret_is_under_the_write_and_the_help_names_its_variable(name, indent, op, augmented):
     """Generated write lines: ``x.op_(...)`` or ``x += ...``; the caret starts at the receiver
     and covers the method (or the operator), and the help rewrites that very variable."""
-    from plusequals.audit.diagnostics import _span, pytorch_fix
-    from plusequals.audit.sites import Site
+    from plusequals.auditing.diagnostics import _span, pytorch_fix
+    from plusequals.auditing.sites import Site
 
     symbol = {"add_": "+", "mul_": "*", "sub_": "-", "div_": "/"}.get(op)
     augmented = augmented and symbol is not None

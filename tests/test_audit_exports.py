@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conftest import examples
-from plusequals.audit import audit
+from plusequals.auditing import audit
 
 # How the view `a` of tensor `t` is taken (the tensor is detached: `numpy()` and `__dlpack__`
 # refuse a tensor that requires grad).
@@ -339,7 +339,7 @@ def test_a_numpy_export_is_dropped_once_its_array_and_views_are_gone():
     export lives while its array or a view of it does; a DLPack export to the forward's end."""
     import gc
 
-    from plusequals.audit.exports import Exports
+    from plusequals.auditing.exports import Exports
 
     written = []
     exports = Exports(lambda e, where: written.append(where), None)
@@ -400,7 +400,7 @@ def test_what_the_watch_does_not_see():
 def test_audit_run_and_the_plugin_scope_see_the_same_write():
     """An outermost call audited by the scope (``audit run``, the pytest plugin) watches exports
     as ``audit()`` does, and the program's result is its own."""
-    from plusequals.audit.scope import AuditScope
+    from plusequals.auditing.scope import AuditScope
 
     class Clamp(nn.Module):
         def forward(self, h):

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from plusequals.audit import audit
+from plusequals.auditing import audit
 
 FUSED = ("aten._transformer_encoder_layer_fwd.default", "aten._native_multi_head_attention.default")
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conftest import examples
-from plusequals.audit import audit
+from plusequals.auditing import audit
 
 # How the frame reads `shortcut` (or not) once `self.act` wrote into its memory; `{r}` is the read.
 READS = {

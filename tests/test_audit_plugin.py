@@ -61,12 +61,12 @@ def tests_file(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> py
 
 
 def test_off_unless_asked(tests_file):
-    result = tests_file.runpytest("-p", "plusequals.audit.plugin")
+    result = tests_file.runpytest("-p", "plusequals.auditing.plugin")
     result.assert_outcomes(passed=4)
 
 
 def test_a_test_with_findings_fails_with_the_diagnostics(tests_file):
-    result = tests_file.runpytest("-p", "plusequals.audit.plugin", "--plusequals-audit")
+    result = tests_file.runpytest("-p", "plusequals.auditing.plugin", "--plusequals-audit")
     result.assert_outcomes(passed=2, failed=2)
     out = result.stdout.str()
     assert "FAILED test_model.py::test_residual" in out and "FAILED test_model.py::test_allowed" in out
@@ -85,7 +85,7 @@ def test_an_allow_silences_and_an_unused_one_warns(tests_file):
     tests_file.makepyfile(
         test_model=TESTS.replace("x += self.lin(x)", "x += self.lin(x)  # plusequals: allow(E0596, E0502)")
     )
-    result = tests_file.runpytest("-p", "plusequals.audit.plugin", "--plusequals-audit")
+    result = tests_file.runpytest("-p", "plusequals.auditing.plugin", "--plusequals-audit")
     result.assert_outcomes(passed=4)  # only warnings left: an unused allow does not fail a test
 
 
@@ -119,12 +119,12 @@ def test_backward_option_audits_a_backward_too(pytester, monkeypatch):
             Outer()(torch.randn(2, 4, requires_grad=True))
         """
     )
-    pytester.runpytest("-p", "plusequals.audit.plugin", "--plusequals-audit").assert_outcomes(passed=1)
-    result = pytester.runpytest("-p", "plusequals.audit.plugin", "--plusequals-audit-backward")
+    pytester.runpytest("-p", "plusequals.auditing.plugin", "--plusequals-audit").assert_outcomes(passed=1)
+    result = pytester.runpytest("-p", "plusequals.auditing.plugin", "--plusequals-audit-backward")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*error[[]E0502[]]: `Outer.inner` overwrote a tensor autograd saved for backward"])
 
 
 def test_pyproject_declares_the_entry_point():
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
-    assert project["entry-points"]["pytest11"] == {"plusequals.audit.plugin": "plusequals.audit.plugin"}
+    assert project["entry-points"]["pytest11"] == {"plusequals.auditing.plugin": "plusequals.auditing.plugin"}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from plusequals.audit import sites
+from plusequals.auditing import sites
 
 PYTHONPATH = str(Path(__file__).resolve().parents[1] / "python")
 

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from plusequals.audit import audit
-from plusequals.audit.frames import short_path
+from plusequals.auditing import audit
+from plusequals.auditing.frames import short_path
 
 
 def line_in(obj, text: str) -> str:
@@ -160,7 +160,7 @@ def audited_and_dropped():
 
 
 def test_nothing_the_audit_saw_stays_alive_after_it_returns():
-    from plusequals.audit import modules
+    from plusequals.auditing import modules
 
     assert not hasattr(modules, "_PARAMS")  # no module-wide cache of audited callables
     refs, reports = audited_and_dropped()

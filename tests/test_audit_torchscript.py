@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import plusequals
-from plusequals.audit.frames import short_path
-from plusequals.audit.scope import AuditScope
+from plusequals.auditing.frames import short_path
+from plusequals.auditing.scope import AuditScope
 
 pytest_plugins = ["pytester"]
 PYTHONPATH = str(Path(__file__).resolve().parents[1] / "python")
@@ -145,7 +145,7 @@ def test_scale():
 def test_the_plugin_audits_scripted_calls(pytester, monkeypatch):
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     pytester.makepyfile(test_scripted=textwrap.dedent(PLUGIN_TESTS))
-    result = pytester.runpytest_subprocess("-p", "plusequals.audit.plugin", "--plusequals-audit")
+    result = pytester.runpytest_subprocess("-p", "plusequals.auditing.plugin", "--plusequals-audit")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*FAILED test_scripted.py::test_scale*"])
     # named by the scripted class, at the line that called it

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from plusequals.audit.scope import AuditScope, tracer
+from plusequals.auditing.scope import AuditScope, tracer
 
 PYTHONPATH = str(Path(__file__).resolve().parents[1] / "python")
 
@@ -67,7 +67,7 @@ import re
 
 import torch
 from torch import nn
-from plusequals.audit.memory import span
+from plusequals.auditing.memory import span
 
 
 class Probe(nn.Module):
@@ -195,7 +195,7 @@ def test_the_plugin_survives_a_trace_and_says_what_it_did_not_audit(pytester, mo
     monkeypatch.setenv("PYTHONPATH", PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
     pytester.makepyfile(test_traced=textwrap.dedent(PLUGIN_TESTS))
     # in a subprocess: the crash this guards against took the whole session down
-    result = pytester.runpytest_subprocess("-p", "plusequals.audit.plugin", "--plusequals-audit", "-rA")
+    result = pytester.runpytest_subprocess("-p", "plusequals.auditing.plugin", "--plusequals-audit", "-rA")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*plusequals audit*", "*2 calls under a tracer (torch.jit.trace) not audited*"])
 

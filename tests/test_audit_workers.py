@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plusequals.audit.children import dump, load
-from plusequals.audit.report import AuditReport, Finding
-from plusequals.audit.scope import AuditedCall
+from plusequals.auditing.children import dump, load
+from plusequals.auditing.report import AuditReport, Finding
+from plusequals.auditing.scope import AuditedCall
 
 pytest_plugins = ["pytester"]
 PYTHONPATH = str(Path(__file__).resolve().parents[1] / "python")
@@ -124,7 +124,7 @@ def test_loader():
 def test_the_plugin_fails_a_test_whose_forked_workers_broke_a_rule(pytester, monkeypatch):
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     pytester.makepyfile(test_workers=textwrap.dedent(PLUGIN_TESTS))
-    result = pytester.runpytest_subprocess("-p", "plusequals.audit.plugin", "--plusequals-audit")
+    result = pytester.runpytest_subprocess("-p", "plusequals.auditing.plugin", "--plusequals-audit")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         ["*error[[]E0596[]]: `Scale` wrote into `x`*", "*note: 4 of these calls ran in 2 forked worker processes*"]

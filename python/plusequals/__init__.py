@@ -2,7 +2,7 @@
 
 The package mirrors the parts: :mod:`plusequals.model` (the PyTorch block and its twins that need
 no Rust), :mod:`plusequals.twin` (the bridge to the Rust and C++ twins), :mod:`plusequals.bench`
-(measure, analyse, render), :mod:`plusequals.audit` (rustc's verdicts on PyTorch code, at run
+(measure, analyse, render), :mod:`plusequals.auditing` (rustc's verdicts on PyTorch code, at run
 time), :mod:`plusequals.cases` (what the audit and the benchmarks run on) and :mod:`plusequals.cli`
 (``python -m plusequals``). The exception classes are made in Rust and re-exported here
 (:mod:`plusequals.errors`).
@@ -13,7 +13,7 @@ needs torch's Python classes registered.
 
 import torch  # noqa: F401  (must precede the extension)
 
-from .audit import AuditReport, Finding, audit
+from .auditing import AuditReport, Finding, audit
 from .errors import (
     DonationConsumed,
     OwnershipError,

@@ -47,7 +47,7 @@ class _Bare(TorchDispatchMode):
 
 def probes(model: torch.nn.Module, x: torch.Tensor) -> dict[str, Callable[[], None]]:
     """The four steps, each dropping the gradients of the one before."""
-    from ..audit import audit
+    from ..auditing import audit
 
     def eager() -> None:
         model.zero_grad(set_to_none=True)
@@ -91,7 +91,7 @@ def measure(sample_s: float, seed: int, smoke: bool = False) -> dict:
         import torchvision
     except ImportError as e:
         return AuditCost(skipped=f"torchvision is not installed ({e}); `pip install plusequals[test]`").to_json()
-    from ..audit import audit
+    from ..auditing import audit
 
     with _one_thread(), torch.random.fork_rng():
         torch.manual_seed(0)

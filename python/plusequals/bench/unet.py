@@ -136,7 +136,7 @@ AUDITED = "eager under plusequals.audit"
 def audited(unet: torch.nn.Module, args: tuple, kwargs: dict, out: dict) -> Callable[[], object]:
     """The eager step run by ``plusequals.audit`` (what one audited forward costs: the hooks, the
     modes and their checks); records what that audit found in ``out``."""
-    from ..audit import audit
+    from ..auditing import audit
 
     def call() -> object:
         return audit(unet, *args, **kwargs)

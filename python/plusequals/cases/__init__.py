@@ -4,5 +4,5 @@ seed's ``+=`` broke them, diffusers' UNet with and without it, real models on th
 seed's bugs under ``torch.compile`` (:mod:`.compiled`), real bugs from public issues (:mod:`.corpus`)
 and the false-positive sweep over popular models (:mod:`.sweep`).
 
-Their models are user code to :mod:`plusequals.audit`, which imports nothing of this package.
+Their models are user code to :mod:`plusequals.auditing`, which imports nothing of this package.
 """

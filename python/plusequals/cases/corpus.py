@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..audit import AuditReport, Finding, audit
-from ..audit.frames import short_path
+from ..auditing import AuditReport, Finding, audit
+from ..auditing.frames import short_path
 
 __all__ = ["CAUGHT", "MISSED", "Case", "Result", "expected_line", "markdown", "results", "run_case"]
 

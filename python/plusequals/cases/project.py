@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, T
 import torch
 from torch import Tensor, nn
 
-from ..audit import AuditReport, audit
+from ..auditing import AuditReport, audit
 from ..model.blocks import STRATEGIES
 from ..model.bugs import EXPECTED, LEAF, OUT_NO_AUTOGRAD, VERSION_COUNTER, VIEW_OF_LEAF, small_block
 

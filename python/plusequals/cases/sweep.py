@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from ..audit import AuditReport, audit
+from ..auditing import AuditReport, audit
 
 __all__ = ["MOVES", "SLOW", "Entry", "Row", "architecture", "entries", "families", "markdown", "representatives", "run"]
 

@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 
 from rich.console import Console
 
-from ..audit import AuditReport, Finding
+from ..auditing import AuditReport, Finding
 from ..cases import project as C
 from .terminal import Rows
 

@@ -1,6 +1,6 @@
 """``python -m plusequals audit run [options] SCRIPT [ARGS...]`` (or ``-m MODULE [ARGS...]``):
 runs a program as ``__main__`` with its own ``sys.argv``, as ``python -m cProfile`` does, and
-audits every outermost ``nn.Module`` call it makes (:class:`plusequals.audit.scope.AuditScope`).
+audits every outermost ``nn.Module`` call it makes (:class:`plusequals.auditing.scope.AuditScope`).
 
 The program's output is its own; the audit's goes to ``--output FILE`` or to stderr. The exit
 status: the program's own when it failed (a nonzero ``sys.exit``, or 1 when it raised: its
@@ -20,9 +20,9 @@ import traceback
 from types import TracebackType
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..audit.diagnostics import build, render
-from ..audit.sarif import to_json, to_sarif
-from ..audit.scope import AuditScope
+from ..auditing.diagnostics import build, render
+from ..auditing.sarif import to_json, to_sarif
+from ..auditing.scope import AuditScope
 from .helptext import PhraseFormatter
 
 _VALUED = ("--format", "--output", "-o", "--root")

@@ -1,5 +1,6 @@
-"""``plusequals.audit``: rustc's verdicts on PyTorch code, at run time, with the line that broke
-the rule.
+"""``plusequals.auditing``, the machinery of :func:`plusequals.audit`: rustc's verdicts on PyTorch
+code, at run time, with the line that broke the rule. (The package is not named ``audit``: that
+name is the function's, and a package under it would be hidden by it.)
 
 ``audit(model, *args, backward=False, **kwargs)`` runs ``model(*args, **kwargs)`` once, in the
 caller's grad mode (and with ``backward=True`` a backward from the sum of its outputs), and

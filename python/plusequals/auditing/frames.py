@@ -2,13 +2,14 @@
 name being read (``E0382``).
 
 A frame is the user's when its code is neither torch's nor the audit's (every module of this
-package; the rest of plusequals, its models and :mod:`plusequals.cases` among them, is user code). Once a module has written into its
-argument, the names that held that memory in the frames that called it are *moved*; those frames
-are then watched instruction by instruction (``sys.monitoring`` on 3.12+, ``sys.settrace`` on
-3.11; from that moment only: a clean model runs unwatched) until each name is read (a finding),
-bound again or deleted (no finding), or the audit ends. A read in a comprehension, a generator
-expression or a lambda that a watched frame calls (a free variable that is the frame's cell) is
-seen; one in another function (a callee given the value) or after the audit returns is not.
+package; the rest of plusequals, its models and :mod:`plusequals.cases` among them, is user code).
+Once a module has written into its argument, the names that held that memory in the frames that
+called it are *moved*; those frames are then watched instruction by instruction (``sys.monitoring``
+on 3.12+, ``sys.settrace`` on 3.11; from that moment only: a clean model runs unwatched) until each
+name is read (a finding), bound again or deleted (no finding), or the audit ends. A read in a
+comprehension, a generator expression or a lambda that a watched frame calls (a free variable that
+is the frame's cell) is seen; one in another function (a callee given the value) or after the audit
+returns is not.
 """
 
 from __future__ import annotations
@@ -392,7 +393,7 @@ class MoveTracer:
         free = [t for t in (3, 4) if _MONITORING.get_tool(t) is None]
         if free:  # none free: another tool holds both ids, and reads go unseen (E0596 still found)
             self._tool = free[0]
-            _MONITORING.use_tool_id(self._tool, "plusequals.audit")
+            _MONITORING.use_tool_id(self._tool, "plusequals.auditing")
             _MONITORING.register_callback(self._tool, _MONITORING.events.INSTRUCTION, self._instruction)
             _MONITORING.register_callback(self._tool, _MONITORING.events.PY_RETURN, self._returned)
 

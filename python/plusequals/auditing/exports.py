@@ -170,7 +170,7 @@ class Lines:
             if not free:
                 return False
             self._tool = free[0]
-            _MONITORING.use_tool_id(self._tool, "plusequals.audit.exports")
+            _MONITORING.use_tool_id(self._tool, "plusequals.auditing.exports")
             _MONITORING.register_callback(self._tool, _MONITORING.events.LINE, self._line)
             _MONITORING.register_callback(self._tool, _MONITORING.events.PY_RETURN, self._returned)
         return True

@@ -42,7 +42,7 @@ _pe = "plusequals" not in sys.modules
 if _pe:
     sys.modules["plusequals"] = types.ModuleType("plusequals")
     sys.modules["plusequals"].__path__ = [{root!r} + "/plusequals"]
-from plusequals.audit.scope import child
+from plusequals.auditing.scope import child
 if _pe:
     del sys.modules["plusequals"]
 child({dir!r}, {backward!r})
