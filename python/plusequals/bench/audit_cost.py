@@ -1,11 +1,11 @@
-"""What ``plusequals.audit`` costs on a training step (issue 31): torchvision's resnet18, batch 2,
+"""What ``plusequals.audit`` costs on a training step: torchvision's resnet18, batch 2,
 64 x 64 images, train mode, each step a forward, the sum of the logits and a backward, on the
 CPU with one intra-op thread (restored after, as the host-cost cell). Four probes, timed in
 interleaved rounds like every other cell and each compared with eager within each round:
 
 * eager;
 * eager under anomaly mode (``torch.autograd.detect_anomaly(check_nan=False)``), PyTorch's own
-  debugging aid and the yardstick of the issue's target (the audit within 1.25x of eager);
+  debugging aid and the yardstick of the report's target (the audit within 1.25x of eager);
 * ``plusequals.audit(model, x, backward=True)``: hooks, the write watch and its checks, included;
 * eager with a TorchDispatchMode that does nothing over the forward: what any dispatch mode costs,
   the floor under the audit's own work (where the time goes).
@@ -28,7 +28,7 @@ from .unet import step_row
 
 BATCH, SIZE, CLASSES = 2, 64, 10
 THREADS = 1
-TARGET = 1.25  # the issue's: the audit within 1.25x of an eager train step, as anomaly mode
+TARGET = 1.25  # the report's: the audit within 1.25x of an eager train step, as anomaly mode
 ROUNDS = 15
 SETTLED_IQR = 0.1  # more rounds (up to 3x, for at most EXTRA_S) while a paired ratio's IQR is wider
 EXTRA_S = 5.0

@@ -76,7 +76,7 @@ SEED_CLAIM = {
 # Families whose memory torch's allocator does not see: their peak is the runtime's own.
 RUNTIMES = ("jax", "onnxruntime")
 HOST_LOOP_N = 50
-# The crossing's budgets, µs per call at the host-cost shape (issue #24): what RustBlock's (CppBlock's)
+# The crossing's budgets, µs per call at the host-cost shape: what RustBlock's (CppBlock's)
 # Python checks, its watch and the crossing may cost over the raw extension call, and over a loop
 # inside Rust (C++). A donation is held to the same, against the raw donating call and the
 # in-place loop.
