@@ -222,103 +222,156 @@ def _ratio(median: float, q1: float, q3: float) -> str:
     return f"{fmt(median)} [{fmt(q1)}, {fmt(q3)}]" + (" ≈" if q1 <= 1 <= q3 else "")
 
 
+class Seen:
+    """One row of a REPORT.md table, with what its cells are looked up by in results.json."""
+
+    def __init__(self, data: dict, heading: str, caption: str, header: list[str], row: list[str]) -> None:
+        self.data, self.heading, self.caption, self.header, self.row = data, heading, caption, header, row
+        self.label = row[0].strip("`")
+        self.batch = int(m.group(1)) if (m := re.search(r"batch (\d+)", caption)) else None
+        self.rows = {(r["batch"], r["shape"], r["variant"]): r for r in data["results"]}
+        self.paired = {(p["batch"], p["shape"], p["variant"], p["vs"]): p for p in data["paired"]}
+        self.ref = data["config"]["reference"]
+
+
+def _environment(s: Seen) -> list[str]:
+    return [s.label, str(s.data["environment"][s.label])]
+
+
+def _ceilings(s: Seen) -> list[str]:
+    c = s.data["ceilings"]
+    return [fmt(c["gemm_n"]), fmt(c["gemm_tflops"]), fmt(c["copy_mib"]), fmt(c["copy_gbps"])]
+
+
+def _medians(s: Seen) -> list[str]:
+    shapes, batch, row = s.header[1:-1], s.batch, s.row
+    if s.label == "rounds":
+        n = {(c["batch"], c["shape"]): c["rounds"] for c in s.data["cells"]}
+        return [row[0]] + [str(n[batch, sh]) for sh in shapes] + ["samples behind each cell of this column"]
+    if s.label == "roofline floor":
+        floor = {(f["batch"], f["shape"]): f["roofline_ms"] for f in s.data["roofline"]}
+        return [row[0]] + [fmt(floor[batch, sh]) for sh in shapes] + ["GEMM rate and copy bandwidth above"]
+    cells = [s.rows[batch, sh, s.label] for sh in shapes]
+    return [row[0]] + [f"{fmt(r['median_ms'])} ({fmt(r['iqr_ms'])})" for r in cells] + [cells[0]["note"]]
+
+
+def _ratios_to_reference(s: Seen) -> list[str]:
+    quartiles = (s.paired[s.batch, sh, s.label, s.ref] for sh in s.header[1:])
+    return [s.row[0]] + [_ratio(p["median"], p["q1"], p["q3"]) for p in quartiles]
+
+
+def _other_ratios(s: Seen) -> list[str]:
+    a, b = (x.strip("`") for x in s.row[0].split(" / "))
+    quartiles = (s.paired[s.batch, sh, a, b] for sh in s.header[1:])
+    return [s.row[0]] + [_ratio(p["median"], p["q1"], p["q3"]) for p in quartiles]
+
+
+def _drift(s: Seen) -> list[str]:
+    ms = s.rows[s.batch, s.label, s.ref]["rounds_ms"]
+    return [s.label, ", ".join(fmt(t) for t in ms), fmt(max(ms) / min(ms))]
+
+
+def _per_unet_step(s: Seen) -> list[str]:
+    blocks = {sh["label"]: sh["blocks"] for sh in s.data["config"]["shapes"]}
+    total = sum(s.rows[s.batch, sh, s.label]["median_ms"] * n for sh, n in blocks.items())
+    weight = {sh: s.rows[s.batch, sh, s.ref]["median_ms"] * n for sh, n in blocks.items()}
+    ratio = {sh: 1.0 if s.label == s.ref else s.paired[s.batch, sh, s.label, s.ref]["median"] for sh in blocks}
+    weighted = sum(ratio[sh] * weight[sh] for sh in blocks) / sum(weight.values())
+    return [s.row[0], fmt(total), fmt(1e3 / total), fmt(weighted)]
+
+
+def _peak_memory(s: Seen) -> list[str]:
+    out = [s.row[0]]
+    for sh in s.header[1:]:
+        r = s.rows[s.batch, sh, s.label]
+        pk, host = r.get("peak_mb"), r.get("host_ms")
+        out.append(f"{fmt(pk) if pk is not None else '-'} MB / {fmt(host) if host is not None else '-'} ms")
+    return out
+
+
+def _profile(s: Seen) -> list[str]:
+    row = s.row
+    p = next(p for p in s.data["profile"] if (str(p["batch"]), p["shape"], f"`{p['variant']}`") == tuple(row[:3]))
+    cuda = "-" if p["self_cuda_ms_per_call"] is None else fmt(p["self_cuda_ms_per_call"])
+    top = ", ".join(f"{t['op'][6:]} {fmt(t['ms_per_call'])}" for t in p["top"][:3])
+    return row[:3] + [fmt(p["aten_ops_per_call"]), fmt(p["self_cpu_ms_per_call"]), cuda, top]
+
+
+def _host_cost(s: Seen) -> list[str]:
+    hc = s.data["host_cost"]
+    r = next(r for r in hc["rows"] if r["variant"] == s.label)
+    p = next((p for p in hc["paired"] if (p["variant"], p["vs"]) == (s.label, s.ref)), None)
+    ratio = "-" if p is None else _ratio(p["median"], p["q1"], p["q3"])
+    return [s.row[0], f"{fmt(r['median_ms'] * 1e3)} ({fmt(r['iqr_ms'] * 1e3)})", ratio, r["note"]]
+
+
+def _crossing(s: Seen) -> list[str]:
+    a, b = (x.strip("`") for x in s.row[0].split(" - "))
+    d = next(d for d in s.data["host_cost"]["differences"] if (d["variant"], d["vs"]) == (a, b))
+    return [
+        s.row[0],
+        f"{fmt(d['median_us'])} [{fmt(d['q1_us'])}, {fmt(d['q3_us'])}]",
+        f"<= {fmt(d['budget_us'])}",
+        "within" if d["within_budget"] else "over",
+    ]
+
+
+def _boundary(s: Seen) -> list[str]:
+    b = next(b for b in s.data["boundary"] if (str(b["batch"]), b["shape"]) == tuple(s.row[:2]))
+    return s.row[:2] + [
+        f"{fmt(b['echo_us'])} ({fmt(b['echo_iqr_us'])})",
+        f"{fmt(b['echo_checked_us'])} ({fmt(b['echo_checked_iqr_us'])})",
+        fmt(b["checked_over_echo"]),
+        f"{fmt(b['donation_check_us'])} ({fmt(b['donation_check_iqr_us'])})",
+        f"{fmt(b['ownership_check_us'])} ({fmt(b['ownership_check_iqr_us'])})",
+    ]
+
+
+def _against_eager(section: str):
+    """A table of whole steps (a UNet step, the audit's train step), each against eager's."""
+
+    def expected(s: Seen) -> list[str]:
+        u = next(u for u in s.data[section]["rows"] if u["name"] == s.row[0])
+        vs = "reference" if u["name"] == "eager" else _ratio(u["vs_eager"], u["vs_eager_q1"], u["vs_eager_q3"])
+        return [u["name"], fmt(u["median_ms"]), fmt(u["iqr_ms"]), vs]
+
+    return expected
+
+
+def _targets(s: Seen) -> list[str]:
+    t = next(t for t in s.data["targets"] if t["target"] == s.row[0])
+    value = "-" if t["value"] is None else f"{fmt(t['value'])} {t['unit']}"
+    return [t["target"], value, fmt(t["limit"]), t["status"], t["detail"]]
+
+
+# Which table a row is in, first match wins (by its section heading or the line above it), and
+# how its cells are derived from results.json.
+TABLES = [
+    (lambda s: s.heading == "Environment", _environment),
+    (lambda s: s.heading.startswith("Ceilings"), _ceilings),
+    (lambda s: s.caption.startswith("Median ms (IQR ms)"), _medians),
+    (lambda s: s.caption.startswith(f"Paired ratio to `{s.ref}`"), _ratios_to_reference),
+    (lambda s: s.caption.startswith("Other paired ratios"), _other_ratios),
+    (lambda s: s.caption.startswith("Drift"), _drift),
+    (lambda s: s.caption.startswith("Per UNet step"), _per_unet_step),
+    (lambda s: s.caption.startswith("Peak memory"), _peak_memory),
+    (lambda s: s.heading.startswith("Where the time goes"), _profile),
+    (lambda s: s.caption.startswith("Host cost"), _host_cost),
+    (lambda s: s.caption.startswith("The crossing"), _crossing),
+    (lambda s: s.heading == "The boundary", _boundary),
+    (lambda s: s.heading == "A whole UNet step", _against_eager("unet_step")),
+    (lambda s: s.heading == "The audit's cost on a training step", _against_eager("audit_cost")),
+    (lambda s: s.heading == "Targets", _targets),
+]
+
+
 def expected_row(data: dict, heading: str, caption: str, header: list[str], row: list[str]) -> list[str]:
     """The row REPORT.md should show, looked up in results.json by this row's own label(s) and the
     table's column labels (KeyError / StopIteration: the row should not be there)."""
-    label = row[0].strip("`")
-    batch = int(m.group(1)) if (m := re.search(r"batch (\d+)", caption)) else None
-    rows = {(r["batch"], r["shape"], r["variant"]): r for r in data["results"]}
-    paired = {(p["batch"], p["shape"], p["variant"], p["vs"]): p for p in data["paired"]}
-    ref = data["config"]["reference"]
-    if heading == "Environment":
-        return [label, str(data["environment"][label])]
-    if heading.startswith("Ceilings"):
-        c = data["ceilings"]
-        return [fmt(c["gemm_n"]), fmt(c["gemm_tflops"]), fmt(c["copy_mib"]), fmt(c["copy_gbps"])]
-    if caption.startswith("Median ms (IQR ms)"):
-        shapes = header[1:-1]
-        if label == "rounds":
-            n = {(c["batch"], c["shape"]): c["rounds"] for c in data["cells"]}
-            return [row[0]] + [str(n[batch, sh]) for sh in shapes] + ["samples behind each cell of this column"]
-        if label == "roofline floor":
-            floor = {(f["batch"], f["shape"]): f["roofline_ms"] for f in data["roofline"]}
-            return [row[0]] + [fmt(floor[batch, sh]) for sh in shapes] + ["GEMM rate and copy bandwidth above"]
-        cells = [rows[batch, sh, label] for sh in shapes]
-        return [row[0]] + [f"{fmt(r['median_ms'])} ({fmt(r['iqr_ms'])})" for r in cells] + [cells[0]["note"]]
-    if caption.startswith(f"Paired ratio to `{ref}`"):
-        return [row[0]] + [
-            _ratio(*(paired[batch, sh, label, ref][k] for k in ("median", "q1", "q3"))) for sh in header[1:]
-        ]
-    if caption.startswith("Other paired ratios"):
-        a, b = (x.strip("`") for x in row[0].split(" / "))
-        return [row[0]] + [_ratio(*(paired[batch, sh, a, b][k] for k in ("median", "q1", "q3"))) for sh in header[1:]]
-    if caption.startswith("Drift"):
-        ms = rows[batch, label, ref]["rounds_ms"]
-        return [label, ", ".join(fmt(t) for t in ms), fmt(max(ms) / min(ms))]
-    if caption.startswith("Per UNet step"):
-        blocks = {s["label"]: s["blocks"] for s in data["config"]["shapes"]}
-        total = sum(rows[batch, sh, label]["median_ms"] * n for sh, n in blocks.items())
-        weight = {sh: rows[batch, sh, ref]["median_ms"] * n for sh, n in blocks.items()}
-        ratio = {sh: 1.0 if label == ref else paired[batch, sh, label, ref]["median"] for sh in blocks}
-        return [
-            row[0],
-            fmt(total),
-            fmt(1e3 / total),
-            fmt(sum(ratio[sh] * weight[sh] for sh in blocks) / sum(weight.values())),
-        ]
-    if caption.startswith("Peak memory"):
-        out = [row[0]]
-        for sh in header[1:]:
-            r = rows[batch, sh, label]
-            pk, host = r.get("peak_mb"), r.get("host_ms")
-            out.append(f"{fmt(pk) if pk is not None else '-'} MB / {fmt(host) if host is not None else '-'} ms")
-        return out
-    if heading.startswith("Where the time goes"):
-        p = next(p for p in data["profile"] if (str(p["batch"]), p["shape"], f"`{p['variant']}`") == tuple(row[:3]))
-        cuda = "-" if p["self_cuda_ms_per_call"] is None else fmt(p["self_cuda_ms_per_call"])
-        top = ", ".join(f"{t['op'][6:]} {fmt(t['ms_per_call'])}" for t in p["top"][:3])
-        return row[:3] + [fmt(p["aten_ops_per_call"]), fmt(p["self_cpu_ms_per_call"]), cuda, top]
-    if caption.startswith("Host cost"):
-        hc = data["host_cost"]
-        r = next(r for r in hc["rows"] if r["variant"] == label)
-        p = next((p for p in hc["paired"] if (p["variant"], p["vs"]) == (label, ref)), None)
-        ratio = "-" if p is None else _ratio(p["median"], p["q1"], p["q3"])
-        return [row[0], f"{fmt(r['median_ms'] * 1e3)} ({fmt(r['iqr_ms'] * 1e3)})", ratio, r["note"]]
-    if caption.startswith("The crossing"):
-        a, b = (x.strip("`") for x in row[0].split(" - "))
-        d = next(d for d in data["host_cost"]["differences"] if (d["variant"], d["vs"]) == (a, b))
-        return [
-            row[0],
-            f"{fmt(d['median_us'])} [{fmt(d['q1_us'])}, {fmt(d['q3_us'])}]",
-            f"<= {fmt(d['budget_us'])}",
-            "within" if d["within_budget"] else "over",
-        ]
-    if heading == "The boundary":
-        b = next(b for b in data["boundary"] if (str(b["batch"]), b["shape"]) == tuple(row[:2]))
-        return row[:2] + [
-            f"{fmt(b['echo_us'])} ({fmt(b['echo_iqr_us'])})",
-            f"{fmt(b['echo_checked_us'])} ({fmt(b['echo_checked_iqr_us'])})",
-            fmt(b["checked_over_echo"]),
-            f"{fmt(b['donation_check_us'])} ({fmt(b['donation_check_iqr_us'])})",
-            f"{fmt(b['ownership_check_us'])} ({fmt(b['ownership_check_iqr_us'])})",
-        ]
-    if heading == "A whole UNet step":
-        u = next(u for u in data["unet_step"]["rows"] if u["name"] == row[0])
-        vs = "reference" if u["name"] == "eager" else _ratio(u["vs_eager"], u["vs_eager_q1"], u["vs_eager_q3"])
-        return [u["name"], fmt(u["median_ms"]), fmt(u["iqr_ms"]), vs]
-    if heading == "The audit's cost on a training step":
-        u = next(u for u in data["audit_cost"]["rows"] if u["name"] == row[0])
-        vs = "reference" if u["name"] == "eager" else _ratio(u["vs_eager"], u["vs_eager_q1"], u["vs_eager_q3"])
-        return [u["name"], fmt(u["median_ms"]), fmt(u["iqr_ms"]), vs]
-    if heading == "Targets":
-        t = next(t for t in data["targets"] if t["target"] == row[0])
-        return [
-            t["target"],
-            "-" if t["value"] is None else f"{fmt(t['value'])} {t['unit']}",
-            fmt(t["limit"]),
-            t["status"],
-            t["detail"],
-        ]
+    seen = Seen(data, heading, caption, header, row)
+    for matches, expected in TABLES:
+        if matches(seen):
+            return expected(seen)
     raise AssertionError(f"a table no check knows: {heading!r} / {caption!r}")
 
 
