@@ -8,9 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (below)
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))  # compvis_reference
+# torch._dynamo is imported once for the session (import plusequals does not import it): pytester's
+# in-process runs drop the modules first imported inside them, and torch._inductor's test library,
+# which Dynamo imports, cannot be defined a second time in one process.
 
 from plusequals import BasicTransformerBlock, RustBlock  # noqa: E402
 from plusequals.model.blocks import randomize_  # noqa: E402,F401  (tests import it from here)
