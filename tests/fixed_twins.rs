@@ -2,6 +2,7 @@
 //! runs (its assertions hold). Every twin is a module of this one test binary, where trybuild would
 //! build and link one binary per twin against libtorch; the demo still builds each as its own
 //! binary (`python -m plusequals demo`). tests/compile_fail.rs checks that every case is here.
+#![allow(clippy::disallowed_methods)] // tests use tch as its users do: a panic fails the test
 
 macro_rules! fixed_twin {
     ($case:ident, $path:literal) => {
