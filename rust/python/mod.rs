@@ -45,7 +45,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The transaction tests' fault injection: only in the test build (feature `failpoints`).
     #[cfg(feature = "failpoints")]
     m.add_function(wrap_pyfunction!(_fail_next_forward_owned_at, m)?)?;
-    m.add("TCH_VERSION", "0.24.0")?;
+    m.add("TCH_VERSION", env!("PLUSEQUALS_TCH_VERSION"))?; // Cargo.toml's pin (build.rs)
     m.add("RUSTC_VERSION", env!("PLUSEQUALS_RUSTC_VERSION"))?;
     Ok(())
 }

@@ -116,7 +116,7 @@ def scratch_crate(cases: list[Case], project: Path) -> list[str]:
         # The python feature and the dev-dependencies, as in make lint's clippy: the dependencies'
         # check (tch's above all) is then the one clippy already made, in the same target dir.
         f'plusequals = {{ path = {json.dumps(str(REPO))}, features = ["python"] }}',
-        'tch = "=0.24.0"',
+        f'tch = "={_rust.TCH_VERSION}"',
         *_dev_dependencies(),
     ]
     for b in bins:
