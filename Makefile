@@ -60,11 +60,14 @@ venv: $(VENV)/.installed
 	@mkdir -p $(CACHE) && ln -sfn $(abspath $(VENV)) $(STABLE_VENV)
 
 # maturin develop: compiles the extension (release) and installs plusequals editable into .venv,
-# with its dependencies and the test, diffusers and compilers extras from pyproject.toml
+# with its dependencies and the test, diffusers and compilers extras from pyproject.toml. This is
+# the build pytest runs against, so it adds the cargo feature `failpoints` (the transaction tests'
+# fault injection, rust/failpoint.rs), naming `python` again (with `--features failpoints` alone,
+# maturin built no PyO3 module); the wheel has no fail points.
 build-dev: venv
 	@scripts/preflight.sh $(VENV)
 	@scripts/step.sh "build: rust/ and cpp/ (release) into plusequals._rust, installed in $(VENV)" $(LOG) \
-		$(VENV)/bin/maturin develop --release --uv --extras test,diffusers,compilers
+		$(VENV)/bin/maturin develop --release --uv --features python,failpoints --extras test,diffusers,compilers
 
 test-python: build-dev
 	@$(MAKE) --no-print-directory pytest
@@ -94,8 +97,9 @@ cargo-test:
 	@# CARGO_TERM_QUIET: trybuild's own cargo runs print no Compiling lines (mismatches still show)
 	CARGO_TERM_QUIET=true cargo test --tests -q
 
-# The abi3 wheel (one for CPython >= 3.11), built in target/ like build-dev (same features and
-# profile: cargo reuses that build); tagged linux, without libtorch (pyproject.toml, [tool.maturin])
+# The abi3 wheel (one for CPython >= 3.11), built in target/ like build-dev (same profile: cargo
+# reuses its dependencies and rebuilds only this crate, without build-dev's `failpoints`); tagged
+# linux, without libtorch (pyproject.toml, [tool.maturin])
 wheel: venv
 	@rm -f dist/plusequals-*.whl
 	@scripts/step.sh "wheel: maturin build --release --out dist" $(LOG) \
@@ -130,6 +134,9 @@ lint-checks:
 	cargo fmt --check
 	@scripts/step.sh "lint: cargo clippy --all-targets --features python -D warnings (clippy.toml)" $(LOG) \
 		cargo clippy --all-targets --features python -- -D warnings
+	@# the tests' dev-dependency turns on `failpoints` above; the library as the wheel builds it, without
+	@scripts/step.sh "lint: cargo clippy --lib --features python -D warnings (no failpoints)" $(LOG) \
+		cargo clippy --lib --features python -- -D warnings
 
 # clean: this clone's files; clean-cache: the caches every clone on this machine shares (CACHE)
 clean:

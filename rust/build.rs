@@ -48,6 +48,26 @@ fn main() {
         .and_then(|o| String::from_utf8(o.stdout).ok())
         .unwrap_or_default();
     println!("cargo:rustc-env=PLUSEQUALS_RUSTC_VERSION={}", version.trim());
+    // tch's version, written once: Cargo.toml's exact pin, which torch-sys and pyo3-tch must repeat
+    // (they are built together); the extension exposes it as `_rust.TCH_VERSION`, which the demo
+    // and the report use and tests/test_install_config.py checks the comments and the guide against.
+    println!("cargo:rerun-if-changed=Cargo.toml");
+    let manifest_dir = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
+    let manifest = std::fs::read_to_string(Path::new(&manifest_dir).join("Cargo.toml")).expect("Cargo.toml");
+    let tch = pin(&manifest, "tch");
+    for other in ["torch-sys", "pyo3-tch"] {
+        assert_eq!(pin(&manifest, other), tch, "Cargo.toml: {other} must be pinned to tch's version");
+    }
+    println!("cargo:rustc-env=PLUSEQUALS_TCH_VERSION={tch}");
     println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
     println!("cargo:rustc-link-arg=-ltorch");
+}
+
+/// The exact version Cargo.toml pins `name` to: `name = "=X"` or `name = { version = "=X", ... }`.
+fn pin(manifest: &str, name: &str) -> String {
+    let prefix = format!("{name} = ");
+    let line = manifest.lines().find(|l| l.starts_with(&prefix)).unwrap_or_else(|| panic!("Cargo.toml has no {name}"));
+    let start = line.find("\"=").unwrap_or_else(|| panic!("Cargo.toml: {name} is not pinned with =")) + 2;
+    let len = line[start..].find('"').expect("a closing quote");
+    line[start..start + len].to_string()
 }

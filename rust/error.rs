@@ -48,7 +48,8 @@ pub enum Error {
     /// A refused donation: nothing moved, and `x` is as it was.
     #[error("{0}; nothing was donated: x is unchanged and usable (donate=False works on a copy)")]
     Donation(Box<Error>),
-    /// A failure injected by a test (`failpoint.rs`), at the step it names.
+    /// A failure injected by a test (`failpoint.rs`, feature `failpoints`), at the step it names.
+    #[cfg(feature = "failpoints")]
     #[error("a failure injected at {0} (plusequals failpoint, for the tests)")]
     Injected(&'static str),
     /// An exception the C++ twin caught (`cpp/capi.cpp`), with its message.

@@ -2,10 +2,16 @@
 //! fails at a chosen step, so that the tests can show what each failure leaves (`x` handed back
 //! untouched before the first write; consumed after it). Thread-local: a test arms only its own
 //! thread, and an armed point fires once.
+//!
+//! Only with the cargo feature `failpoints` (cargo test, `make build-dev`); without it (the
+//! wheel, `make wheel`) `check` is `Ok(())` and nothing can arm it.
 
+#[cfg(feature = "failpoints")]
 use std::cell::Cell;
 
-use crate::error::{Error, Result};
+#[cfg(feature = "failpoints")]
+use crate::error::Error;
+use crate::error::Result;
 
 /// Where an in-place forward can be made to fail.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -16,15 +22,18 @@ pub enum Step {
     AfterFirstWrite,
 }
 
+#[cfg(feature = "failpoints")]
 thread_local! {
     static ARMED: Cell<Option<Step>> = const { Cell::new(None) };
 }
 
 /// Makes the next in-place forward on this thread fail at `step` (`None` disarms).
+#[cfg(feature = "failpoints")]
 pub fn fail_next_at(step: Option<Step>) {
     ARMED.with(|armed| armed.set(step));
 }
 
+#[cfg(feature = "failpoints")]
 impl Step {
     pub fn name(self) -> &'static str {
         match self {
@@ -35,6 +44,7 @@ impl Step {
 }
 
 /// `Err` once, if this thread armed `step`.
+#[cfg(feature = "failpoints")]
 pub(crate) fn check(step: Step) -> Result<()> {
     ARMED.with(|armed| {
         if armed.get() == Some(step) {
@@ -43,4 +53,11 @@ pub(crate) fn check(step: Step) -> Result<()> {
         }
         Ok(())
     })
+}
+
+/// Without the feature no fail point is armed: always `Ok(())`.
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub(crate) fn check(_step: Step) -> Result<()> {
+    Ok(())
 }

@@ -6,6 +6,9 @@
 //! `panic!`, and clippy.toml forbids every tch call that panics on a libtorch error (the crate
 //! uses the `f_` forms and `facts.rs` instead).
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+// A function is capped by how tangled it is, not by its lines: clippy.toml's
+// `cognitive-complexity-threshold` (make lint's -D warnings turns this warning into a failure).
+#![warn(clippy::cognitive_complexity)]
 
 pub mod block;
 pub mod cpp;

@@ -180,5 +180,6 @@ def test_the_demo_crate_resolves_the_features_clippy_checked(tmp_path):
     ours = _features(["--manifest-path", str(tmp_path / "Cargo.toml")])
     clippy = _features(["--manifest-path", str(demo.REPO / "Cargo.toml")], "--all-targets", "--features", "python")
     shared = {p for p, _ in ours} & {p for p, _ in clippy}
-    assert {"tch v0.24.0", "torch-sys v0.24.0", "pyo3 v0.24.2"} <= shared, shared
+    tch = demo._rust.TCH_VERSION
+    assert {f"tch v{tch}", f"torch-sys v{tch}", "pyo3 v0.24.2"} <= shared, shared
     assert {pf for pf in ours if pf[0] in shared} == {pf for pf in clippy if pf[0] in shared}

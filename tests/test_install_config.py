@@ -37,3 +37,22 @@ def test_every_torch_the_set_up_installs_is_the_pinned_one():
     for name in ("Makefile", "scripts/test_install.sh"):
         pins = PIN.findall((REPO / name).read_text())
         assert pins and set(pins) == {runtime}, f"{name} installs torch {pins}, pyproject.toml pins {runtime}"
+
+
+def test_tchs_version_is_written_once():
+    """tch's version has one source, Cargo.toml's `tch = "=X"`: rust/build.rs reads it (and refuses
+    a torch-sys or pyo3-tch pin that differs) into the extension's `TCH_VERSION`, which the demo's
+    scratch crate and the report use; scripts/gen_clippy_toml.py reads the pin too; the comments,
+    clippy.toml's header and the guide that name it are checked here."""
+    from plusequals import _rust
+
+    version = _rust.TCH_VERSION
+    deps = tomllib.loads((REPO / "Cargo.toml").read_text())["dependencies"]
+    assert deps["tch"] == deps["torch-sys"] == deps["pyo3-tch"]["version"] == f"={version}"
+    major_minor = ".".join(version.split(".")[:2])
+    assert f"tch {major_minor} is compiled against" in (REPO / "pyproject.toml").read_text()
+    assert f"tch {major_minor} is built for" in (REPO / "Cargo.toml").read_text()
+    assert f"scripts/gen_clippy_toml.py from tch {version}:" in (REPO / "clippy.toml").read_text()
+    building = (REPO / "docs" / "guide" / "building.md").read_text()
+    assert f"| tch, torch-sys | ={version} | tch {major_minor} is" in building
+    assert f"| pyo3-tch | ={version} | pyo3-tch {major_minor} is built on tch {major_minor}" in building

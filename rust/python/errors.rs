@@ -52,7 +52,9 @@ pub(super) fn to_py(err: Error) -> PyErr {
         Error::NotOwned { arg, why } => ownership_error(message, arg, why),
         Error::WeightsChanged => WeightsChanged::new_err(message),
         Error::WeightChanged { .. } => StaleBlock::new_err(message),
-        Error::Torch(_) | Error::Cpp(_) | Error::Injected(_) => PyRuntimeError::new_err(message),
+        Error::Torch(_) | Error::Cpp(_) => PyRuntimeError::new_err(message),
+        #[cfg(feature = "failpoints")]
+        Error::Injected(_) => PyRuntimeError::new_err(message),
         _ => PyValueError::new_err(message),
     }
 }

@@ -22,7 +22,9 @@ mod watch;
 use block::PyBlock;
 use entry::PyEntry;
 use errors::{DonationConsumed, OwnershipError, StaleBlock, UnsupportedBlockError, WeightsChanged};
-use tools::{_fail_next_forward_owned_at, alias_routes, cpp_gallery, tensor_facts};
+#[cfg(feature = "failpoints")]
+use tools::_fail_next_forward_owned_at;
+use tools::{alias_routes, cpp_gallery, tensor_facts};
 use watch::PyWatch;
 
 #[pymodule]
@@ -40,8 +42,10 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(alias_routes, m)?)?;
     m.add_function(wrap_pyfunction!(cpp_gallery, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_facts, m)?)?;
+    // The transaction tests' fault injection: only in the test build (feature `failpoints`).
+    #[cfg(feature = "failpoints")]
     m.add_function(wrap_pyfunction!(_fail_next_forward_owned_at, m)?)?;
-    m.add("TCH_VERSION", "0.24.0")?;
+    m.add("TCH_VERSION", env!("PLUSEQUALS_TCH_VERSION"))?; // Cargo.toml's pin (build.rs)
     m.add("RUSTC_VERSION", env!("PLUSEQUALS_RUSTC_VERSION"))?;
     Ok(())
 }

@@ -1,7 +1,6 @@
 //! What the demo and the tests call besides the block: the alias routes, the C++ gallery,
 //! libtorch's facts about a tensor, and fault injection.
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3_tch::PyTensor;
 
@@ -68,11 +67,14 @@ pub(super) fn tensor_facts(py: Python<'_>, t: PyTensor) -> PyResult<Bound<'_, py
 }
 
 /// Makes the next in-place forward on this thread fail at `step` ("before_first_write",
-/// "after_first_write"; `None` disarms): the transaction tests' fault injection (failpoint.rs).
+/// "after_first_write"; `None` disarms): the transaction tests' fault injection (failpoint.rs,
+/// feature `failpoints`: the extension `make build-dev` builds for the tests, not the wheel).
+#[cfg(feature = "failpoints")]
 #[pyfunction]
 #[pyo3(signature = (step))]
 pub(super) fn _fail_next_forward_owned_at(step: Option<&str>) -> PyResult<()> {
     use crate::failpoint::{fail_next_at, Step};
+    use pyo3::exceptions::PyValueError;
     let step = match step {
         None => None,
         Some("before_first_write") => Some(Step::BeforeFirstWrite),

@@ -87,7 +87,9 @@ def _dev_dependencies() -> list[str]:
     import tomllib
 
     manifest = tomllib.loads((REPO / "Cargo.toml").read_text())
-    return [f"{name} = {_toml_value(spec)}" for name, spec in manifest.get("dev-dependencies", {}).items()]
+    # Not the crate itself (its own dev-dependency, for the fail points): the scratch crate has it.
+    deps = manifest.get("dev-dependencies", {}).items()
+    return [f"{name} = {_toml_value(spec)}" for name, spec in deps if name != "plusequals"]
 
 
 def _toml_value(spec) -> str:
@@ -114,7 +116,7 @@ def scratch_crate(cases: list[Case], project: Path) -> list[str]:
         # The python feature and the dev-dependencies, as in make lint's clippy: the dependencies'
         # check (tch's above all) is then the one clippy already made, in the same target dir.
         f'plusequals = {{ path = {json.dumps(str(REPO))}, features = ["python"] }}',
-        'tch = "=0.24.0"',
+        f'tch = "={_rust.TCH_VERSION}"',
         *_dev_dependencies(),
     ]
     for b in bins:
