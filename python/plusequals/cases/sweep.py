@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..auditing import AuditReport, audit
+from .project import TINY_UNET
 
 __all__ = ["MOVES", "SLOW", "Entry", "Row", "architecture", "entries", "families", "markdown", "representatives", "run"]
 
@@ -165,18 +166,8 @@ def _transformers() -> List[Entry]:
     return [Entry("transformers", n, b, "cpu") for n, b in builds.items()]
 
 
-_UNET: Dict[str, Any] = dict(
-    sample_size=8,
-    in_channels=4,
-    out_channels=4,
-    block_out_channels=(32, 64),
-    layers_per_block=1,
-    cross_attention_dim=32,
-    attention_head_dim=8,
-    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    norm_num_groups=32,
-)
+# the project's tiny UNet (cases.project.TINY_UNET) at 8 x 8 latents
+_UNET: Dict[str, Any] = {**TINY_UNET, "sample_size": 8}
 
 
 def _unet() -> Tuple[nn.Module, tuple, dict]:
