@@ -206,6 +206,24 @@ def _same_or_refused(site: Site, step: str) -> None:
         assert rel_err(got, expected) <= TOL, f"{step}: stale by {rel_err(got, expected):.3g}"
 
 
+def run_sequence(site: Site, routes: Dict[str, Callable[[Site], Callable[[], None]]], steps: list) -> None:
+    """Applies each step's route (or undoes it when it is applied already), the oracle's verdict
+    after each; then every change undone, the target must work again."""
+    undos: Dict[str, Callable[[], None]] = {}
+    try:
+        for name in steps:  # a route applied, or undone when it is applied already
+            if name in undos:
+                undos.pop(name)()
+                _same_or_refused(site, f"{name} undone, after {steps}")
+            else:
+                undos[name] = routes[name](site)
+                _same_or_refused(site, f"{name}, in {steps}")
+    finally:
+        for undo in reversed(list(undos.values())):
+            undo()
+    assert rel_err(site.run(), site.pytorch()) <= TOL, f"every change undone, {steps}: it must work again"
+
+
 @pytest.fixture(scope="module", params=["RustBlock", "CppBlock", "swap"])
 def site(request):
     return Site(request.param)
@@ -233,19 +251,7 @@ def test_every_route_changes_the_pytorch_block(site):
 )
 @given(steps=st.lists(st.sampled_from(NAMES), min_size=1, max_size=5))
 def test_generated_changes_are_followed_or_refused_and_undone_work_again(site, steps):
-    undos: Dict[str, Callable[[], None]] = {}
-    try:
-        for name in steps:  # a route applied, or undone when it is applied already
-            if name in undos:
-                undos.pop(name)()
-                _same_or_refused(site, f"{name} undone, after {steps}")
-            else:
-                undos[name] = ROUTES[name](site)
-                _same_or_refused(site, f"{name}, in {steps}")
-    finally:
-        for undo in reversed(list(undos.values())):
-            undo()
-    assert rel_err(site.run(), site.pytorch()) <= TOL, f"every change undone, {steps}: it must work again"
+    run_sequence(site, ROUTES, steps)
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ from torch import nn
 
 from conftest import rel_err
 from plusequals import CppBlock, RustBlock, UnsupportedBlockError
-from test_routes import SCALE, TOL, _same_or_refused
+from test_routes import SCALE, TOL, _same_or_refused, run_sequence
 from test_structure import Site
 
 FACTOR = 1.0  # a global of this module, read by _helper: a function the reading does not follow
@@ -189,19 +189,7 @@ def test_each_route_is_followed_or_refused_and_undone_works_again(site, name):
 )
 @given(steps=st.lists(st.sampled_from(NAMES), min_size=1, max_size=5))
 def test_generated_changes_are_followed_or_refused_and_undone_work_again(site, steps):
-    undos: Dict[str, Callable[[], None]] = {}
-    try:
-        for name in steps:  # a route applied, or undone when it is applied already
-            if name in undos:
-                undos.pop(name)()
-                _same_or_refused(site, f"{name} undone, after {steps}")
-            else:
-                undos[name] = ROUTES[name](site)
-                _same_or_refused(site, f"{name}, in {steps}")
-    finally:
-        for undo in reversed(list(undos.values())):
-            undo()
-    assert rel_err(site.run(), site.pytorch()) <= TOL, f"every change undone, {steps}: it must work again"
+    run_sequence(site, ROUTES, steps)
 
 
 def test_an_equal_change_in_place_is_followed_on_the_hot_path():
