@@ -29,8 +29,8 @@ from torch.overrides import TorchFunctionMode
 from conftest import make_block, make_inputs
 from plusequals import CppBlock, OwnershipError, RustBlock, UnsupportedBlockError, swap_transformer_blocks
 from plusequals.twin import block as block_module
+from plusequals.twin.forward_code import INERT, code_reads
 from plusequals.twin.probe import bound, differs
-from plusequals.twin.reads import INERT, code_reads
 
 peft = pytest.importorskip("peft", reason="needs the optional extra plusequals[diffusers]")
 pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from conftest import make_block
 from plusequals import RustBlock, _rust
-from plusequals.twin.reads import function_state
+from plusequals.twin.forward_code import function_state
 
 TAGS = (3, 11) <= sys.version_info[:2] < (3, 14)
 

@@ -25,8 +25,8 @@ from .config import BlockConfig
 from .delegate import delegated, under_function_mode
 from .dispatch import autocast_dtype, converts_results, seen_by_python, symbolic, why_not_donatable
 from .faithful import CHILDREN, Reading, can_probe, probe, read_block
+from .forward_code import code_changes
 from .hooks import run_under_saved_tensor_hooks
-from .reads import code_changes
 from .record import Ran, Recorder
 from .traceable import untraceable
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -51,11 +52,10 @@ from . import casting
 from .config import BlockConfig, rust_keys
 from .custom_diffusion import CUSTOM_DIFFUSION_PROCESSORS, read_custom_diffusion
 from .dispatch import tracing_tensor
+from .forward_code import data_descriptor
 from .ip_adapter import IP_ADAPTER_PROCESSORS, read_ip_adapter
 from .lora import base_of, is_lora, read_lora
 from .probe import PROBE_BOUND, can_probe, probe
-from .reading import Reading
-from .reads import data_descriptor
 from .watch import Watch, class_name, global_hook_kinds
 
 __all__ = ["CHILDREN", "PROBE_BOUND", "Reading", "TRUST", "can_probe", "probe", "read_block"]
@@ -82,6 +82,25 @@ _PROCESSOR_KINDS = {
 TRUST = (None, "probe")
 
 LAYER_NORM_EPS = 1e-5
+
+
+@dataclass
+class Reading:
+    """What :func:`read_block` found: the Rust block's configuration, where each weight sits in the
+    module, every refusal, and the :class:`Watch` of what was looked at."""
+
+    spec: Optional[BlockConfig]
+    slots: Tuple[Tuple[nn.Module, str], ...]  # (owner module, parameter name), in spec.keys order
+    paths: Tuple[str, ...]  # the same slots as attribute paths from the block ("ff.net.0.proj.weight")
+    reasons: List[str]
+    watch: Watch
+    unknown: Tuple[str, ...]  # classes this module does not know (then the probe runs)
+    lora_layers: Tuple[str, ...] = ()  # the paths of peft LoRA layers (twin/lora.py), active or not
+    casting: Tuple[Tuple[str, nn.Module, Any], ...] = ()  # diffusers' layerwise casting hooks (twin/casting.py)
+    ip_tokens: Optional[int] = None  # IP-Adapter's num_tokens[0]: a tensor context's image tokens (twin/ip_adapter.py)
+
+    def weights(self) -> List[torch.Tensor]:
+        return [owner._parameters[name] for owner, name in self.slots]
 
 
 # --------------------------------------------------------------------------------------------

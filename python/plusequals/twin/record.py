@@ -1,6 +1,6 @@
 """What the PyTorch forward *ran*, recorded at check time: :class:`Recorder` and :class:`Ran`.
 
-The reading (:mod:`plusequals.twin.reads`) derives the watch from the forward's code, to a bound
+The reading (:mod:`plusequals.twin.forward_code`) derives the watch from the forward's code, to a bound
 (three calls deep, within torch and the block's packages) and without following data (a function
 taken from a dict: ``STRATEGIES[residual]``). At check time, the probe runs the PyTorch block
 once anyway: under a recorder (``sys.monitoring`` on 3.12+, ``sys.setprofile`` on 3.11), that run
@@ -17,7 +17,7 @@ the watch, from the values there now:
 
 A code object no function was found for (a generator expression, a lambda made by each call) is
 nested in an executed code object, whose function is watched. A leaf (imports nothing of the
-package but :mod:`plusequals.twin.reads`).
+package but :mod:`plusequals.twin.forward_code`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import types
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
-from .reads import Note, Reads, _codes, _function, _module_read, class_dict, function_state
+from .forward_code import Note, Reads, _codes, _function, _module_read, class_dict, function_state
 
 __all__ = ["Ran", "Recorder"]
 

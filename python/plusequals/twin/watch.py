@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import _rust
 from . import casting
-from .reads import Note, read_code
+from .forward_code import Note, read_code
 from .record import Ran
 
 __all__ = ["Watch", "class_name", "global_hook_kinds"]
@@ -125,7 +125,7 @@ class Watch:
         self.classes: List[type] = []
         self.globals: List[dict] = list(_global_hooks().values())
         self.lists: List[Tuple[list, List[Any]]] = []  # lists whose items are watched (PEFT's merged_adapters)
-        self.code: List[Note] = []  # what the forward's code reads: classes and module globals (twin/reads.py)
+        self.code: List[Note] = []  # what the forward's code reads: classes and module globals (twin/forward_code.py)
         self.code_sizes: List[Tuple[dict, int]] = []  # every dict the code's lookups consulted, once, and its size
         self.functions: List[Any] = []  # every Python function the code reads followed: watched in place
         self.casting: List[Tuple[str, nn.Module, Any]] = []  # layerwise casting's hooks: (path, module, hook)
@@ -201,7 +201,7 @@ class Watch:
         """Notes what calling ``objs`` (the block's modules, its processors) reads as code: the
         entries of their classes (MROs included) and of the tensors' (``torch.Tensor``, the
         parameters' classes), the module globals and builtins their code reads
-        (:func:`plusequals.twin.reads.read_code`), the size of each dict consulted, and every
+        (:func:`plusequals.twin.forward_code.read_code`), the size of each dict consulted, and every
         Python function followed, in place (its code, defaults and closure cells): a name added
         later (a property ``eps`` on ``nn.LayerNorm``, a ``__call__`` on ``nn.Linear``, a global
         that shadows a builtin, a ``torch.Tensor.chunk``) or a function changed in place is a
