@@ -31,7 +31,7 @@ class Shift(nn.Module):
         return x * a
 
 
-class Rows(Dataset):
+class Samples(Dataset):
     def __init__(self):
         self.rows = torch.arange(32.0).reshape(8, 4)
         self.transform = Shift()
@@ -45,7 +45,7 @@ class Rows(Dataset):
 
 if __name__ == "__main__":
     workers, context = int(sys.argv[1]), (sys.argv[2] if sys.argv[2] != "none" else None)
-    loader = DataLoader(Rows(), batch_size=4, num_workers=workers, multiprocessing_context=context)
+    loader = DataLoader(Samples(), batch_size=4, num_workers=workers, multiprocessing_context=context)
     print([b.sum().item() for b in loader])
 """
 

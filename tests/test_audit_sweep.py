@@ -16,11 +16,11 @@ from test_audit_corpus import readme_block
 pytest.importorskip("torchvision", reason="the sweep needs torchvision (the test extra)")
 
 
-def entry(family: str, name: str) -> sweep.Entry:
+def entry(family: str, name: str) -> sweep.SweepModel:
     return next(e for e in sweep.entries(family) if e.name == name)
 
 
-def assert_clean(row: sweep.Row) -> None:
+def assert_clean(row: sweep.SweepResult) -> None:
     r = row.report
     assert r.findings == [] and r.error is None and r.backward_error is None, (row.name, r.findings[:3], r.error)
     assert r.backward_skipped is None and r.ops >= 40  # the forward's ops (backward's C++ formulas are not dispatched)

@@ -117,10 +117,10 @@ def test_narrow_rows_hang_their_wrapped_cells():
     """At 80 columns a cell that wraps continues under its value, not under its label."""
     from rich.console import Console
 
-    from plusequals.cli.terminal import Rows
+    from plusequals.cli.terminal import TerminalTable
 
     console = Console(width=80, record=True, color_system=None)
-    rows = Rows("name", "long cell", "check")
+    rows = TerminalTable("name", "long cell", "check")
     rows.add_row("row", " ".join(f"word{i}" for i in range(40)), "ok")
     rows.print(console)
     lines = [ln for ln in console.export_text().splitlines() if ln.strip()]

@@ -48,7 +48,7 @@ pytestmark = [
 RACE_ATTEMPTS = 50_000
 
 
-class Entry:
+class EntryPoint:
     """One in-place entry point on a small block, and the PyTorch block it must equal."""
 
     def __init__(self, name: str, context_dim=CTX) -> None:
@@ -83,7 +83,7 @@ class Entry:
 
 @pytest.fixture(params=ENTRIES)
 def entry(request):
-    return Entry(request.param)
+    return EntryPoint(request.param)
 
 
 def record(t: torch.Tensor):
@@ -99,7 +99,7 @@ def record(t: torch.Tensor):
     )
 
 
-def assert_intact(x, before, entry: Entry, c=None):
+def assert_intact(x, before, entry: EntryPoint, c=None):
     """A refusal left ``x`` exactly as it was and usable: it still computes the right answer."""
     cls, ptr, shape, stride, offset, dtype, data = before
     assert type(x) is cls and not isinstance(x, DonatedTensor), type(x)
@@ -198,7 +198,7 @@ def test_libtorchs_baseline_weak_count_is_not_refused(name):
     facts = _rust.tensor_facts(x)
     assert facts["tensor_weak_refs"] == 0 and facts["storage_weak_refs"] == 0, facts
     assert facts["storage_object_weakrefs"] in (None, 0), facts
-    entry = Entry("RustBlock")
+    entry = EntryPoint("RustBlock")
     _, c = small_inputs()
     expected = entry.expected(x.detach(), c)
     assert_matches(entry.owned(x, c), expected)
@@ -210,7 +210,7 @@ def test_a_thread_upgrading_a_storage_weak_ref_never_sees_a_write(language):
     """A thread upgrades a StorageWeakRef on x's storage over and over and reads the bytes, while
     the main thread tries to donate x: every donation is refused, so every state the thread saw
     is x's original bytes (the C++ twin once showed such a thread 5 different states)."""
-    entry = Entry(f"raw-{language}")
+    entry = EntryPoint(f"raw-{language}")
     x, c = small_inputs()
     original = x.clone()
     sw = StorageWeakRef(x.untyped_storage())
@@ -297,7 +297,7 @@ def test_under_a_function_mode_the_block_is_one_op_and_donation_is_refused(name)
     follows, whose calls the mode sees (and the result is exact), and refuses a donation, which the
     mode would not see.
     ``torch.device(...)`` as a context manager is a function mode too, and changes nothing here."""
-    entry = Entry(name)
+    entry = EntryPoint(name)
     x, c = small_inputs()
     before = record(x)
     expected = entry.expected(x, c)
@@ -354,7 +354,7 @@ class Logged(torch.Tensor):
 
 @pytest.mark.parametrize("name", ["RustBlock", "CppBlock"])
 def test_a_subclass_with_its_own_torch_function_sees_the_block_as_an_op(name):
-    entry = Entry(name)
+    entry = EntryPoint(name)
     x0, c = small_inputs()
     x = torch.Tensor._make_subclass(Logged, x0.clone())
     expected = entry.expected(x0, c)
@@ -461,7 +461,7 @@ def test_a_weight_written_by_another_thread_during_a_donation_is_never_lost():
     returns the exact result (x marked), or fails after its writes (x marked, the message says the
     buffer was consumed and why the result was discarded). Never an unmarked empty x (21 of 200
     were, before). Runs until both outcomes were seen."""
-    entry = Entry("RustBlock")
+    entry = EntryPoint("RustBlock")
     x0, c = small_inputs()
     expected = entry.expected(x0, c)
     stop = threading.Event()
@@ -525,7 +525,7 @@ def test_a_failure_after_the_first_write_marks_x_and_says_its_buffer_was_consume
 
 
 def test_a_failpoint_is_this_threads_and_fires_once():
-    entry = Entry("raw-rust")
+    entry = EntryPoint("raw-rust")
     x, c = small_inputs()
     _rust._fail_next_forward_owned_at("before_first_write")
     other = []
@@ -595,7 +595,7 @@ def test_saved_tensor_hooks_hold_the_python_object_and_backward_fails_loudly(hoo
     )
     with ctx:
         loss = (x * w).sum()  # mul saves x for w's gradient
-    entry = Entry("RustBlock")
+    entry = EntryPoint("RustBlock")
     y = entry.owned(x, c)
     assert_matches(y, entry.expected(small_inputs()[0], c))
     assert isinstance(x, DonatedTensor)
@@ -610,7 +610,7 @@ def test_the_custom_op_path_writes_x_only_with_a_result(name, failure):
     """``plusequals::block_forward_owned_(x!, ...)`` (what a compiled graph calls) declares that it
     writes x; it computes on its own copy and writes x only once the result exists. A refusal,
     and a failure before or after the copy's first write, leave x bitwise as it was."""
-    entry = Entry(name)
+    entry = EntryPoint(name)
     x, c = small_inputs()
     before = x.clone()
     args = list(entry.module._op_args(x, c))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from types import FrameType
-from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Dict, List, Literal, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -49,20 +49,16 @@ from .report import Finding
 from .saved import Saved, SavedTensors, hooks_active, overwritten, reachable
 from .sites import write_site
 
-__all__ = ["PythonCalls", "Recorder", "WriteWatch"]
+__all__ = ["FindingLog", "PythonCalls", "WriteWatch"]
 
 
-class Move(NamedTuple):
-    seq: int
-    module: str
-    where: str
-    op: str
-    writer: Optional[str]
+class WatchedWrite(NamedTuple):
+    """A write that the names watched with it make a finding if they are read afterwards.
+    ``kind`` says which: ``"move"``, a write into a running module's argument (a name that held
+    the value, read after, is ``E0382``); ``"alias"``, a write through one name into a tensor
+    object another live name still holds (that name, read after, is ``E0499``)."""
 
-
-class Alias(NamedTuple):
-    """A write through one name into a tensor object another live name still holds."""
-
+    kind: Literal["move", "alias"]
     seq: int
     module: str
     where: str
@@ -75,7 +71,7 @@ class Reborrow(NamedTuple):
     ``h = x``): reading it after the write is legal (a reborrow ends at its last use), unless one
     of ``through`` is used after that read (then the uses interleave)."""
 
-    alias: Alias
+    alias: WatchedWrite
     through: Tuple[str, ...]
 
 
@@ -83,7 +79,7 @@ class Interleaved(NamedTuple):
     """``source`` was read at ``read_at`` after the write through ``alias``; one of the names
     taken from it is watched: its next read is ``E0499``."""
 
-    alias: Alias
+    alias: WatchedWrite
     source: str
     read_at: str
 
@@ -100,7 +96,7 @@ class Candidate(NamedTuple):
     writer: Optional[str]
 
 
-class Recorder:
+class FindingLog:
     """The findings in the order their writes happened, the same write counted once."""
 
     def __init__(self) -> None:
@@ -138,7 +134,7 @@ class Recorder:
             )
             self.add(a.seq, Finding("E0499", a.module, a.where, a.op, message, read_at, writer=a.writer))
             return
-        if isinstance(move, Alias):
+        if move.kind == "alias":
             message = (
                 f"`{name}` names the tensor that was written through another name ({move.op} at {move.where}) "
                 "and is read after the write: two live names for one tensor, one of them written"
@@ -174,9 +170,9 @@ def _op_name(func: Any) -> str:
 
 
 class WriteWatch(TorchDispatchMode):
-    def __init__(self, modules: ModuleWatch, saved: SavedTensors, recorder: Recorder) -> None:
+    def __init__(self, modules: ModuleWatch, saved: SavedTensors, log: FindingLog) -> None:
         super().__init__()
-        self.modules, self.saved, self.recorder = modules, saved, recorder
+        self.modules, self.saved, self.log = modules, saved, log
         self.tracer = MoveTracer(self._read)
         self.candidates: List[Candidate] = []
         self.ops = 0
@@ -285,11 +281,13 @@ class WriteWatch(TorchDispatchMode):
             if owner is None and not entries and not aliases:
                 continue
             where = where or write_site(sys._getframe(), self.modules)  # never the audit's caller
-            seq, op = self.recorder.next(), _op_name(func)
+            seq, op = self.log.next(), _op_name(func)
             if owner is not None:
                 self._moved(seq, op, where, s, *owner)
             if aliases:
-                alias = Alias(seq, self.modules.running(sys._getframe()), where, op, self.modules.writer())
+                alias = WatchedWrite(
+                    "alias", seq, self.modules.running(sys._getframe()), where, op, self.modules.writer()
+                )
                 for frame, name, through in aliases:
                     self.tracer.watch(frame, name, Reborrow(alias, through) if through else alias)
             if entries:
@@ -321,7 +319,7 @@ class WriteWatch(TorchDispatchMode):
 
     def _read(self, frame: FrameType, name: str, info: Any) -> None:
         """A watched name is read: a source of the names written through starts watching them
-        (a use of one of them now interleaves); anything else is the recorder's."""
+        (a use of one of them now interleaves); anything else is the log's."""
         if isinstance(info, Reborrow):
             later = Interleaved(info.alias, name, location(frame))
             holder: Optional[FrameType] = frame  # read in a comprehension: the names are its caller's
@@ -330,7 +328,7 @@ class WriteWatch(TorchDispatchMode):
             for w in info.through if holder is not None else ():
                 self.tracer.watch(holder, w, later)
             return
-        self.recorder.on_read(frame, name, info)
+        self.log.on_read(frame, name, info)
 
     def _moved(self, seq: int, op: str, where: str, s: Span, call: Call, arg: Arg) -> None:
         writer = self.modules.writer()
@@ -351,15 +349,15 @@ class WriteWatch(TorchDispatchMode):
                 f"{who} wrote into its argument `{arg.label}`, which is also {holder} and outlives the call: "
                 "the module only borrowed it (`&`); in Rust the write needs `&mut` or ownership (forward_owned)"
             )
-            self.recorder.add(seq, Finding("E0596", call.module, where, op, message, writer=writer))
+            self.log.add(seq, Finding("E0596", call.module, where, op, message, writer=writer))
         else:
             message = f"{who} wrote into its argument `{arg.label}`, a temporary nothing else held: a move"
-            self.recorder.move(seq, Finding("move", call.module, where, op, message, writer=writer))
-        move = Move(seq, call.module, where, op, writer)
+            self.log.move(seq, Finding("move", call.module, where, op, message, writer=writer))
+        move = WatchedWrite("move", seq, call.module, where, op, writer)
         for frame in self.modules.frames_above(call):
             for name in holders(frame, overlaps):
                 # the frames above the call run only once it has returned: traced from its end
-                self.recorder.same_value(self.tracer.watch(frame, name, move, now=False).seq, seq)
+                self.log.same_value(self.tracer.watch(frame, name, move, now=False).seq, seq)
 
     def _mutated(self, call: Call, label: str, kind: str, holder: str) -> None:
         """``call`` mutated a list or dict of tensors it was given that ``holder`` keeps: ``E0596``
@@ -378,7 +376,7 @@ class WriteWatch(TorchDispatchMode):
             f"{holder} and outlives the call: the {kind} was only borrowed (`{rust}`), which Rust does not let "
             "it mutate"
         )
-        self.recorder.add(self.recorder.next(), Finding("E0596", call.module, where, f"{kind}.{how}", message))
+        self.log.add(self.log.next(), Finding("E0596", call.module, where, f"{kind}.{how}", message))
 
     def _exported_write(self, e: Export, where: str) -> None:
         """The bytes of a tensor exported to NumPy or DLPack changed outside ATen, at ``where``
@@ -389,7 +387,7 @@ class WriteWatch(TorchDispatchMode):
         if self.phase != "forward":
             return
         self.settle()
-        seq, op = self.recorder.next(), f"{e.how}() {'capsule' if 'dlpack' in e.how else 'view'}"
+        seq, op = self.log.next(), f"{e.how}() {'capsule' if 'dlpack' in e.how else 'view'}"
         owner = self.modules.owner(e.span, e.tensor, False)
         if owner is not None:
             self._moved(seq, op, where, e.span, *owner)
@@ -412,7 +410,7 @@ class WriteWatch(TorchDispatchMode):
                     f"saved for backward ({e.attr.lstrip('_')}){others}: autograd borrowed it until backward, and "
                     "no version counter moved: backward will not refuse it, and computes with the new values"
                 )
-                self.recorder.add(c.seq, Finding("E0502", c.module, c.where, c.op, message, writer=c.writer))
+                self.log.add(c.seq, Finding("E0502", c.module, c.where, c.op, message, writer=c.writer))
         self.unversioned.clear()
 
     def _swapped(self, entries: List[Saved]) -> None:
@@ -429,7 +427,7 @@ class WriteWatch(TorchDispatchMode):
                 "autograd borrowed it until backward, which will compute with other data than the forward used "
                 "(`.data =` bumps no version: PyTorch never notices)"
             )
-            self.recorder.add(self.recorder.next(), Finding("E0502", e.module, where, ".data =", message))
+            self.log.add(self.log.next(), Finding("E0502", e.module, where, ".data =", message))
 
     def confirm(self, roots: Optional[List[Any]]) -> None:
         """Turns the candidates into ``E0502`` findings where the write bumped the version of a
@@ -456,7 +454,7 @@ class WriteWatch(TorchDispatchMode):
                     f"overwrote{during} the tensor that {type(e.node).__name__}{saver} saved for backward "
                     f"({e.attr.lstrip('_')}){others}: autograd borrowed it until backward, which will refuse it"
                 )
-                self.recorder.add(c.seq, Finding("E0502", c.module, c.where, c.op, message, writer=c.writer))
+                self.log.add(c.seq, Finding("E0502", c.module, c.where, c.op, message, writer=c.writer))
         self.candidates.clear()
 
 

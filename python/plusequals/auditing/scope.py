@@ -29,7 +29,7 @@ from .allow import Allows, source_files
 from .children import Children, dump
 from .frames import MoveTracer, holders, location, user_frame
 from .memory import Span, span, tensors
-from .mode import PythonCalls, Recorder, WriteWatch
+from .mode import FindingLog, PythonCalls, WriteWatch
 from .modules import Arg, ModuleWatch, arguments
 from .report import AuditReport, Finding
 from .saved import SavedTensors, reachable
@@ -117,9 +117,9 @@ class CallAudit:
             self.modules.attach(model)
         else:
             self.modules.push_root(model, args, kwargs)
-        self.recorder = Recorder()
+        self.log = FindingLog()
         self.saved = SavedTensors()
-        self.watch = WriteWatch(self.modules, self.saved, self.recorder)
+        self.watch = WriteWatch(self.modules, self.saved, self.log)
         self.report = AuditReport(modules=self.modules.watched)
         self.files = source_files(model)
         self.python_calls: List[PythonCalls] = []
@@ -133,7 +133,7 @@ class CallAudit:
             self.watch.tracer.stop()
             self.watch.forget()
             self.modules.detach()
-            self.report.findings, self.report.moves = self.recorder.findings(), self.recorder.moves()
+            self.report.findings, self.report.moves = self.log.findings(), self.log.moves()
             self.report.ops, self.report.calls = self.watch.ops, self.modules.calls
 
     def forward(self) -> contextlib.AbstractContextManager:

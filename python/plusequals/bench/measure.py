@@ -1,6 +1,6 @@
 """The measuring run: every (batch, shape) cell's variants timed together in interleaved rounds,
 with the boundary's probes, torch.profiler's view and the work of a call; then the host-cost cell
-and the whole UNet step. results.json is rewritten after every measurement (``Recorder``), so an
+and the whole UNet step. results.json is rewritten after every measurement (``ResultsFile``), so an
 interrupted run keeps what it measured; the analysis (:mod:`.analyse`) completes it."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .. import _rust
 from . import audit_cost, compilers, inductor, timing, unet
-from .results import Boundary, Cell, CompilerInfo, HostCost, PerShape, Profile, Recorder, Results, Row, Timing
+from .results import Boundary, Cell, CellTiming, CompilerInfo, HostCost, PerShape, Profile, Results, ResultsFile, Timing
 from .setup import (
     HOST_BATCH,
     HOST_CONTEXT,
@@ -306,12 +306,14 @@ def call_costs(v: Variant, device: str, compiler_info: dict) -> tuple[Optional[f
     return peak, None if host is None else host - (host_ms_per_call(v.reset, device) if v.reset else 0.0)
 
 
-def variant_row(v: Variant, rounds: timing.Rounds, batch: int, shape: str, device: str, cv: CellVariants) -> Row:
+def variant_row(v: Variant, rounds: timing.Rounds, batch: int, shape: str, device: str, cv: CellVariants) -> CellTiming:
     """One variant of one cell: its times (``timing_row``), its call's costs (``call_costs``)
     and, for torch.compile, its compile seconds."""
     peak, host = call_costs(v, device, cv.compiler_info)
     compile_s = cv.compile_s[v.name.split("/", 1)[1]] if v.family == "compile" else None
-    return Row(batch=batch, shape=shape, **_timing_fields(v, rounds), peak_mb=peak, host_ms=host, compile_s=compile_s)
+    return CellTiming(
+        batch=batch, shape=shape, **_timing_fields(v, rounds), peak_mb=peak, host_ms=host, compile_s=compile_s
+    )
 
 
 def boundary_row(rounds: timing.Rounds, batch: int, shape: str) -> Boundary:
@@ -357,7 +359,9 @@ class CellVariants:
     compiler_info: dict[str, Any]
 
 
-def cell_variants(rec: Recorder, p: Plan, s: Setup, batch: int, shape: str, say: Callable[[str], None]) -> CellVariants:
+def cell_variants(
+    rec: ResultsFile, p: Plan, s: Setup, batch: int, shape: str, say: Callable[[str], None]
+) -> CellVariants:
     """Every variant this run measures on ``s``; records the compilers' info (and, on the first
     cell, their verdict)."""
     cv = CellVariants(eager_variants(s) + rust_variants(s, p.loop_n) + cpp_variants(s, p.loop_n), {}, {})
@@ -380,7 +384,7 @@ def cell_variants(rec: Recorder, p: Plan, s: Setup, batch: int, shape: str, say:
     return cv
 
 
-def time_rounds(rec: Recorder, p: Plan, s: Setup, cv: CellVariants, seed: int, batch: int, shape: str) -> None:
+def time_rounds(rec: ResultsFile, p: Plan, s: Setup, cv: CellVariants, seed: int, batch: int, shape: str) -> None:
     """The cell's variants and the boundary's probes in interleaved rounds; records the rounds,
     a row per variant and the boundary's row."""
     probes = variant_probes(cv.variants) | echo_probes(s)
@@ -394,7 +398,7 @@ def time_rounds(rec: Recorder, p: Plan, s: Setup, cv: CellVariants, seed: int, b
     rec.add("boundary", boundary_row(timed, batch, shape))
 
 
-def profile_cell(rec: Recorder, s: Setup, batch: int, shape: str) -> None:
+def profile_cell(rec: ResultsFile, s: Setup, batch: int, shape: str) -> None:
     """torch.profiler's view of one call of eager op_plus_x and of rust/forward."""
     calls = (
         ("eager/op_plus_x", lambda: s.block(s.x, s.context)),
@@ -406,7 +410,7 @@ def profile_cell(rec: Recorder, s: Setup, batch: int, shape: str) -> None:
         )
 
 
-def measure_cell(rec: Recorder, p: Plan, index: int, batch: int, shape: Shape, say: Callable[[str], None]) -> None:
+def measure_cell(rec: ResultsFile, p: Plan, index: int, batch: int, shape: Shape, say: Callable[[str], None]) -> None:
     """One (batch, shape) cell: its variants timed, the first batch's first and last shapes
     profiled, and the work of one block call."""
     s = make_setup(shape, batch, p.context, p.device, p.dtype)
@@ -469,12 +473,14 @@ def eager_blocks_ms(data: dict) -> Optional[float]:
 
 
 # ----------------------------------------------------------------------------- the run
-def measure(p: Plan, outdir: Path, console: Console) -> Recorder:
+def measure(p: Plan, outdir: Path, console: Console) -> ResultsFile:
     """Every cell, the host-cost cell, (``p.unet``) the whole UNet step and (``p.audit_cost``) the
     audit's cost, written to ``outdir``/results.json as they are measured; the returned
-    ``Recorder`` holds it."""
+    ``ResultsFile`` holds it."""
     outdir.mkdir(parents=True, exist_ok=True)
-    rec = Recorder(outdir, {"schema": 2, "complete": False, "environment": environment(p.device), "config": config(p)})
+    rec = ResultsFile(
+        outdir, {"schema": 2, "complete": False, "environment": environment(p.device), "config": config(p)}
+    )
     console.print(
         f"[bold]plusequals report[/] on {p.device} ({rec.data['config']['dtype']}), quick={p.quick}, writing {outdir}/"
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from .analyse import EXTRA_PAIRS, verdict_items
-from .results import AuditCost, HostCost, Paired, Results, Row, UnetRow, fmt
+from .results import AuditCost, CellTiming, HostCost, Paired, Results, UnetRow, fmt
 
 # Marks a paired ratio whose interquartile interval contains 1.
 NOISE_MARK = "≈"
@@ -22,7 +22,7 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def time_cell(r: Optional[Row]) -> str:
+def time_cell(r: Optional[CellTiming]) -> str:
     return "-" if r is None else f"{fmt(r.median_ms)} ({fmt(r.iqr_ms)})"
 
 
@@ -224,7 +224,7 @@ def _per_step(res: Results, batch: int) -> list[str]:
 
 
 def _memory(res: Results, batch: int) -> list[str]:
-    def cell(r: Optional[Row]) -> str:
+    def cell(r: Optional[CellTiming]) -> str:
         peak, host = (None, None) if r is None else (r.peak_mb, r.host_ms)
         return f"{_or_dash(peak)} MB / {_or_dash(host)} ms"
 

@@ -1,9 +1,10 @@
 """results.json, as typed rows: what a report run writes and what REPORT.md is rendered from.
 
 Each row is a dataclass whose fields are its results.json keys: ``to_json`` writes it, keys in
-results.json's order, ``from_json`` reads it back. :class:`Recorder` keeps the document in memory and rewrites the file
-after every change, so that an interrupted run keeps what it measured. :class:`Results` is a
-whole results.json read back: its rows, each kind indexed by what the analysis looks it up by.
+results.json's order, ``from_json`` reads it back. :class:`ResultsFile` keeps the document in
+memory and rewrites the file after every change, so that an interrupted run keeps what it
+measured. :class:`Results` is a whole results.json read back: its rows, each kind indexed by
+what the analysis looks it up by.
 :func:`fmt` is how any of its numbers is printed.
 
 The measuring side (:mod:`.measure`, :mod:`.unet`) writes these rows; the analysing side
@@ -83,7 +84,7 @@ class Timing(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Row(Timing):
+class CellTiming(Timing):
     """One variant in one (batch, shape) cell: its ``Timing``; for a call of one forward, its
     peak device memory and host time per call (None where not measurable); for torch.compile,
     its compile seconds."""
@@ -364,7 +365,7 @@ class Target(Record):
 
 
 # ----------------------------------------------------------------------------- files
-class Recorder:
+class ResultsFile:
     """Holds results.json in memory and rewrites it after every change."""
 
     def __init__(self, out: Path, data: dict) -> None:
@@ -404,7 +405,7 @@ class Results:
     config: dict[str, Any]
     environment: dict[str, Any]
     ceilings: dict[str, Any]
-    rows: dict[tuple[int, str, str], Row]  # (batch, shape, variant), in the order measured
+    rows: dict[tuple[int, str, str], CellTiming]  # (batch, shape, variant), in the order measured
     cells: dict[Key, Cell]
     per_shape: dict[Key, PerShape]
     boundary: list[Boundary]
@@ -430,7 +431,7 @@ class Results:
             config=data["config"],
             environment=data["environment"],
             ceilings=data["ceilings"],
-            rows={(r.batch, r.shape, r.variant): r for r in listed("results", Row)},
+            rows={(r.batch, r.shape, r.variant): r for r in listed("results", CellTiming)},
             cells={(c.batch, c.shape): c for c in listed("cells", Cell)},
             per_shape={(p.batch, p.shape): p for p in listed("per_shape", PerShape)},
             boundary=listed("boundary", Boundary),
@@ -471,5 +472,5 @@ class Results:
         """The variants in the order they were measured."""
         return list(dict.fromkeys(v for _, _, v in self.rows))
 
-    def row(self, batch: int, shape: str, variant: str) -> Optional[Row]:
+    def row(self, batch: int, shape: str, variant: str) -> Optional[CellTiming]:
         return self.rows.get((batch, shape, variant))

@@ -23,17 +23,28 @@ from torch import nn
 from ..auditing import AuditReport, audit
 from .project import TINY_UNET
 
-__all__ = ["MOVES", "SLOW", "Entry", "Row", "architecture", "entries", "families", "markdown", "representatives", "run"]
+__all__ = [
+    "MOVES",
+    "SLOW",
+    "SweepModel",
+    "SweepResult",
+    "architecture",
+    "entries",
+    "families",
+    "markdown",
+    "representatives",
+    "run",
+]
 
 
-class Entry(NamedTuple):
+class SweepModel(NamedTuple):
     family: str
     name: str
     build: Callable[[], Tuple[nn.Module, tuple, dict]]
     device: str = "meta"  # tiny configs run on the CPU (real values; BART reads one with .item())
 
 
-class Row(NamedTuple):
+class SweepResult(NamedTuple):
     family: str
     name: str
     report: AuditReport
@@ -78,7 +89,7 @@ _TV_SIZE = {"alexnet": 64, "vit_h_14": 28, "maxvit_t": 224, "inception_v3": 299}
 _TV_BUILT_ON_CPU = ("regnet_",)
 
 
-def _torchvision() -> List[Entry]:
+def _torchvision() -> List[SweepModel]:
     import torchvision
 
     def build(name: str) -> Callable[[], Tuple[nn.Module, tuple, dict]]:
@@ -95,7 +106,7 @@ def _torchvision() -> List[Entry]:
 
         return make
 
-    return [Entry("torchvision", n, build(n)) for n in torchvision.models.list_models(module=torchvision.models)]
+    return [SweepModel("torchvision", n, build(n)) for n in torchvision.models.list_models(module=torchvision.models)]
 
 
 _TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, vocab_size=99)
@@ -132,7 +143,7 @@ def _vision(config_cls: str, model_cls: str, **overrides: Any) -> Callable[[], T
     return make
 
 
-def _transformers() -> List[Entry]:
+def _transformers() -> List[SweepModel]:
     kv = dict(num_key_value_heads=2)
     builds = {
         "bert": _text("BertConfig", "BertForMaskedLM"),
@@ -163,7 +174,7 @@ def _transformers() -> List[Entry]:
         "vit": _vision("ViTConfig", "ViTForImageClassification", image_size=32, patch_size=8),
         "clip_vision": _vision("CLIPVisionConfig", "CLIPVisionModel", image_size=32, patch_size=8),
     }
-    return [Entry("transformers", n, b, "cpu") for n, b in builds.items()]
+    return [SweepModel("transformers", n, b, "cpu") for n, b in builds.items()]
 
 
 # the project's tiny UNet (cases.project.TINY_UNET) at 8 x 8 latents
@@ -199,11 +210,11 @@ def _controlnet() -> Tuple[nn.Module, tuple, dict]:
     return net, inputs, {}
 
 
-def _diffusers() -> List[Entry]:
+def _diffusers() -> List[SweepModel]:
     return [
-        Entry("diffusers", "UNet2DConditionModel", _unet, "cpu"),
-        Entry("diffusers", "AutoencoderKL", _vae, "cpu"),
-        Entry("diffusers", "ControlNetModel", _controlnet, "cpu"),
+        SweepModel("diffusers", "UNet2DConditionModel", _unet, "cpu"),
+        SweepModel("diffusers", "AutoencoderKL", _vae, "cpu"),
+        SweepModel("diffusers", "ControlNetModel", _controlnet, "cpu"),
     ]
 
 
@@ -217,11 +228,11 @@ def families() -> List[str]:
     return [f for f in _FAMILIES if importlib.util.find_spec(f) is not None]
 
 
-def entries(family: str) -> List[Entry]:
+def entries(family: str) -> List[SweepModel]:
     return _FAMILIES[family]()
 
 
-def architecture(entry: Entry) -> str:
+def architecture(entry: SweepModel) -> str:
     """The code a model runs: for torchvision the module its builder lives in (``resnet`` holds
     ResNet, ResNeXt and Wide ResNet, ``efficientnet`` B0-B7 and V2), elsewhere the model itself
     (every transformers and diffusers entry is an architecture of its own)."""
@@ -232,23 +243,23 @@ def architecture(entry: Entry) -> str:
     return torchvision.models.get_model_builder(entry.name).__module__.rsplit(".", 1)[-1]
 
 
-def representatives() -> List[Entry]:
+def representatives() -> List[SweepModel]:
     """One model of each architecture of the installed families, in the sweep's order: a model
     whose moves are counted (``MOVES``) where the architecture has one, else its first model not
     in ``SLOW``. ``make test`` runs these; ``make sweep`` runs every model."""
-    by_architecture: Dict[Tuple[str, str], List[Entry]] = {}
+    by_architecture: Dict[Tuple[str, str], List[SweepModel]] = {}
     for family in families():
         for e in entries(family):
             by_architecture.setdefault((family, architecture(e)), []).append(e)
 
-    def pick(models: List[Entry]) -> Entry:
+    def pick(models: List[SweepModel]) -> SweepModel:
         counted = [e for e in models if e.name in MOVES]
         return (counted or [e for e in models if (e.family, e.name) not in SLOW] or models)[0]
 
     return [pick(models) for models in by_architecture.values()]
 
 
-def run(entry: Entry, device: Optional[str] = None, seed: int = 0) -> Row:
+def run(entry: SweepModel, device: Optional[str] = None, seed: int = 0) -> SweepResult:
     """Builds ``entry`` on ``device`` (its own by default) in train mode and audits one forward
     and backward."""
     device = device or entry.device
@@ -259,7 +270,7 @@ def run(entry: Entry, device: Optional[str] = None, seed: int = 0) -> Row:
     model.train()
     with torch.enable_grad():
         report = audit(model, *args, backward=True, **kwargs)
-    return Row(entry.family, entry.name, report, time.perf_counter() - start)
+    return SweepResult(entry.family, entry.name, report, time.perf_counter() - start)
 
 
 def _findings(report: AuditReport) -> str:
@@ -268,7 +279,7 @@ def _findings(report: AuditReport) -> str:
     return "clean" if report.error is None and report.backward_error is None else "no findings"
 
 
-def markdown(rows: List[Row]) -> str:
+def markdown(rows: List[SweepResult]) -> str:
     """The README's sweep table: one line per model."""
     lines = [
         "| family | model | findings (forward and backward, train mode) | moves | ops | modules |",

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from ..auditing import AuditReport, Finding
 from ..cases import project as C
-from .terminal import Rows
+from .terminal import TerminalTable
 
 
 def _codes(report: AuditReport) -> str:
@@ -33,7 +33,7 @@ def _pytorch(strategy: str, setting: str) -> str:
 
 def strategies(console: Console, details: List[Tuple[str, Finding]]) -> int:
     """The 21 strategy audits; returns how many disagree with EXPECTED."""
-    rows = Rows("setting / strategy", "findings", "PyTorch alone", "verdict", key=(0, -1))
+    rows = TerminalTable("setting / strategy", "findings", "PyTorch alone", "verdict", key=(0, -1))
     bad = 0
     for setting, strategy, report, disagreement in C.all_strategy_audits():
         bad += disagreement is not None
@@ -50,7 +50,7 @@ def unets(console: Console, details: List[Tuple[str, Finding]]) -> int:
     """The small diffusers UNet, unpatched (must be clean) and with the seed's += (must give
     E0502 in training; in inference each += is a move: diffusers rebinds the block's output and
     never reads its input again); returns how many did not."""
-    rows = Rows("UNet2DConditionModel", "findings", "expected", "verdict", key=(0, -1))
+    rows = TerminalTable("UNet2DConditionModel", "findings", "expected", "verdict", key=(0, -1))
     bad = 0
     for patched in (False, True):
         for training in (False, True):
@@ -70,15 +70,15 @@ def unets(console: Console, details: List[Tuple[str, Finding]]) -> int:
 
 
 def print_findings(console: Console, report: AuditReport) -> None:
-    """One report's findings, legible at 80 columns (terminal.Rows)."""
-    rows = Rows("code", "where", "module", "read at", "op", "message", key=(0, 1))
+    """One report's findings, legible at 80 columns (terminal.TerminalTable)."""
+    rows = TerminalTable("code", "where", "module", "read at", "op", "message", key=(0, 1))
     for f in report.findings:
         rows.add_row(f.code, f.where, f.module or "(root)", f.read_at or "", f.op, f.message)
     rows.print(console)
 
 
 def show_details(console: Console, details: List[Tuple[str, Finding]]) -> None:
-    rows = Rows("case", "code", "module", "where", "read at", "op", key=(0, 1))
+    rows = TerminalTable("case", "code", "module", "where", "read at", "op", key=(0, 1))
     for case, f in details:
         rows.add_row(case, f.code, f.module or "(root)", f.where, f.read_at or "", f.op)
     console.rule("[bold]Findings, with their lines[/]")
@@ -140,7 +140,7 @@ def models(console: Console, markdown: bool) -> int:
     if markdown:
         print(models_markdown(reports))
         return 0
-    rows = Rows("model", "findings", "what was watched", "verdict", key=(0, -1))
+    rows = TerminalTable("model", "findings", "what was watched", "verdict", key=(0, -1))
     bad = 0
     for m, r in reports:
         ok = set(r.codes) == m.expected and (m.expected or (r.error is None and r.backward_error is None))

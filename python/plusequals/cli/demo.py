@@ -25,7 +25,7 @@ from ..model import bugs
 from ..model.blocks import STRATEGIES
 from ..twin import aliases
 from ..twin.block import RustBlock
-from .terminal import Rows, from_markdown, say
+from .terminal import TerminalTable, from_markdown, say
 
 REPO = Path(__file__).resolve().parents[3]
 UI = REPO / "tests" / "ui"
@@ -206,7 +206,7 @@ def run(skip_compile_fail: bool = False, console: Optional[Console] = None) -> i
 
 def _caller_aliasing(console: Console, verdict) -> None:
     say(console, "A caller keeps [cyan]skip = x[/], calls the block, then reads [cyan]skip[/].\n")
-    t = Rows("strategy", "caller's x after the call", "max |change|", "check")
+    t = TerminalTable("strategy", "caller's x after the call", "max |change|", "check")
     for s in STRATEGIES:
         r = bugs.caller_aliasing(s)
         seen = "[red]MUTATED[/]" if r.caller_mutated else "unchanged"
@@ -222,7 +222,7 @@ def _training(console: Console, verdict) -> None:
         console,
         "learnable embedding -> block -> MSE -> backward -> SGD step, 3 steps; then with CompVis checkpointing.\n",
     )
-    t = Rows("strategy", "checkpoint", "result", "check", key=(0, 1, -1))
+    t = TerminalTable("strategy", "checkpoint", "result", "check", key=(0, 1, -1))
     for ckpt in (False, True):
         for s in STRATEGIES:
             r = bugs.textual_inversion(s, checkpoint=ckpt)
@@ -242,7 +242,7 @@ def _compile_fail(console: Console, verdict) -> None:
     found = check_cases(cases, console)
     cpp = {name: (happened, what) for name, happened, what in _rust.cpp_gallery()}
     columns = ("case (tests/ui/)", "PyTorch bug it mirrors", "expected", "rustc said", "fixed twin")
-    t = Rows(*columns, "C++ (cpp/gallery.cpp)", "check")
+    t = TerminalTable(*columns, "C++ (cpp/gallery.cpp)", "check")
     for c in cases:
         codes, _ = found[c.name]
         twin_codes, _ = found[f"{c.name}_fixed"]
@@ -272,7 +272,7 @@ def _alias_routes(console: Console, verdict) -> None:
         "Each way to reach x's memory through a second name that this demo runs. Run time: what "
         "forward_owned / add_in_place / a donation did just now (rust/aliases.rs, plusequals.twin.aliases).\n",
     )
-    t = Rows("route", "PyTorch +=", "rustc", "run time (now)", "check")
+    t = TerminalTable("route", "PyTorch +=", "rustc", "run time (now)", "check")
     not_run = 0
     for stated, row in zip(aliases.TABLE, aliases.table_rows()):
         if not stated.run_time.startswith(("rust:", "py:")):

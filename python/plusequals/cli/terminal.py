@@ -105,7 +105,7 @@ def say(console: Console, markup: str) -> None:
     print_trimmed(console, Text.from_markup(markup))
 
 
-class Rows:
+class TerminalTable:
     """A table that stays legible in any terminal: a rich Table when the console is wide, one
     block per row when it is narrow (80 columns). In a block, the key cells head the row and
     every other cell is a ``column: value`` line whose wrapped lines hang under the value."""
