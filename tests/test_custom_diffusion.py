@@ -22,7 +22,7 @@ from torch import nn
 
 from conftest import examples, randomize_, rel_err
 from plusequals import CppBlock, RustBlock, UnsupportedBlockError, swap_transformer_blocks
-from plusequals.cases.project import TINY_UNET
+from plusequals.cases.project import tiny_unet_config
 from plusequals.twin.swap import RustTransformerBlock
 
 diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
@@ -153,7 +153,7 @@ def test_unused_layers_and_flags_are_followed():
 def _unet():
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        unet = diffusers.UNet2DConditionModel(**TINY_UNET).eval()
+        unet = diffusers.UNet2DConditionModel(**tiny_unet_config()).eval()
     for i, block in enumerate(m for m in unet.modules() if isinstance(m, BasicTransformerBlock)):
         randomize_(block, seed=i)
     return unet

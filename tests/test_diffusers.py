@@ -23,7 +23,7 @@ from torch import nn
 import plusequals
 from conftest import cuda, randomize_, rel_err
 from plusequals import UnsupportedBlockError, swap_transformer_blocks
-from plusequals.cases.project import TINY_UNET
+from plusequals.cases.project import tiny_unet_config
 from plusequals.twin.swap import RustTransformerBlock, SwapHandle, unswap_transformer_blocks
 
 TOL = 1e-5
@@ -32,7 +32,7 @@ TOL = 1e-5
 # (diffusers' attention_head_dim is the head count), GroupNorm(32), the mid block's transformer
 # included. Four BasicTransformerBlocks: dims 32 (x3, head dim 4) and 64 (mid, head dim 8).
 # The audit's harnesses use the same config.
-TINY = TINY_UNET
+TINY = tiny_unet_config()
 N_BLOCKS = 4
 REPLACED = "up_blocks.1.attentions.1.transformer_blocks.0"  # where the refusal tests plant a bad block
 

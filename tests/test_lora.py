@@ -20,7 +20,7 @@ from torch import nn
 
 from conftest import examples, randomize_, rel_err
 from plusequals import BasicTransformerBlock, CppBlock, RustBlock, UnsupportedBlockError
-from plusequals.cases.project import TINY_UNET
+from plusequals.cases.project import tiny_unet_config
 from plusequals.twin.swap import RustTransformerBlock
 
 peft = pytest.importorskip("peft", reason="needs the optional extra plusequals[diffusers]")
@@ -275,7 +275,7 @@ def test_lora_is_refused_where_the_custom_ops_would_run():
 def tiny_unet(seed=0):
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        unet = diffusers.UNet2DConditionModel(**TINY_UNET).eval()
+        unet = diffusers.UNet2DConditionModel(**tiny_unet_config()).eval()
     for i, block in enumerate(m for m in unet.modules() if isinstance(m, DiffusersBlock)):
         randomize_(block, seed=100 * seed + i)
     return unet

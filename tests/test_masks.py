@@ -20,7 +20,7 @@ from torch import nn
 
 from conftest import examples, randomize_, rel_err
 from plusequals import BasicTransformerBlock, CppBlock, RustBlock, UnsupportedBlockError
-from plusequals.cases.project import TINY_UNET
+from plusequals.cases.project import tiny_unet_config
 from plusequals.twin.swap import RustTransformerBlock
 
 DIM, HEADS, D_HEAD, CTX = 32, 4, 8, 24
@@ -240,7 +240,7 @@ def test_drop_in_refuses_masks_that_other_processors_read_otherwise(diffusers, p
 def tiny_unet(diffusers, seed=0):
     with torch.random.fork_rng():  # diffusers initialises from the global generator: leave it as it was
         torch.manual_seed(seed)
-        unet = diffusers.UNet2DConditionModel(**TINY_UNET).eval()
+        unet = diffusers.UNet2DConditionModel(**tiny_unet_config()).eval()
     blocks = [m for m in unet.modules() if isinstance(m, diffusers.models.attention.BasicTransformerBlock)]
     for i, block in enumerate(blocks):
         randomize_(block, seed=100 * seed + i)

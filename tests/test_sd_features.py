@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from conftest import examples, randomize_, rel_err
 from plusequals import UnsupportedBlockError, swap_transformer_blocks
-from plusequals.cases.project import TINY_UNET
+from plusequals.cases.project import tiny_unet_config
 from plusequals.twin.swap import RustTransformerBlock
 
 diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
@@ -51,7 +51,7 @@ def make_unet():
 def _unet(seed=0):
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        unet = diffusers.UNet2DConditionModel(**TINY_UNET).eval()
+        unet = diffusers.UNet2DConditionModel(**tiny_unet_config()).eval()
     for i, block in enumerate(m for m in unet.modules() if isinstance(m, BasicTransformerBlock)):
         randomize_(block, seed=100 * seed + i)
     return unet

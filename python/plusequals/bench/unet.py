@@ -17,22 +17,6 @@ from .timing import interleaved_rounds, paired_ratios, spread, sync
 BATCH = 2
 
 
-def small_unet_config() -> dict[str, Any]:
-    """An SD-v1-shaped UNet small enough for --quick on two CPU cores (4 transformer blocks)."""
-    return dict(
-        sample_size=16,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(32, 64),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32,
-        attention_head_dim=8,
-        norm_num_groups=8,
-    )
-
-
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
@@ -58,9 +42,10 @@ def measure(
         from diffusers.models.attention import BasicTransformerBlock as DiffusersBlock
     except ImportError as e:
         return {"skipped": f"diffusers is not installed ({e}); `pip install plusequals[diffusers]`"}
+    from ..cases.project import tiny_unet_config
     from ..twin.swap import sd_v1_unet_config
 
-    config = small_unet_config() if quick else sd_v1_unet_config()
+    config = tiny_unet_config() if quick else sd_v1_unet_config()
     unet = _make_unet(UNet2DConditionModel, config, device, dtype)
     size = config["sample_size"]
     g = torch.Generator().manual_seed(1)

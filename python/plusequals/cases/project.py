@@ -28,6 +28,7 @@ __all__ = [
     "TextualInversion",
     "agreement",
     "strategy_audit",
+    "tiny_unet_config",
 ]
 
 SETTINGS = ("skip", "training", "checkpointed")
@@ -107,20 +108,26 @@ def agreement(strategy: str, setting: str, report: AuditReport) -> Optional[str]
 # diffusers: a small UNet2DConditionModel, with and without the seed's `+=`
 # --------------------------------------------------------------------------------------------
 
-# SD v1's UNet shrunk: two levels (one with cross-attention), one resnet per level, 8 heads,
-# GroupNorm(32), the mid block's transformer included (tests/test_diffusers.py uses it too).
-TINY_UNET: Dict[str, Any] = dict(
-    sample_size=16,
-    in_channels=4,
-    out_channels=4,
-    block_out_channels=(32, 64),
-    layers_per_block=1,
-    cross_attention_dim=32,
-    attention_head_dim=8,
-    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    norm_num_groups=32,
-)
+
+def tiny_unet_config() -> Dict[str, Any]:
+    """``UNet2DConditionModel(**tiny_unet_config())`` is SD v1's UNet shrunk (the project's one
+    small UNet: the audit's cases, the sweep, the report's ``--quick`` UNet step and the tests):
+    two levels (one with cross-attention), one resnet per level, 8 heads (diffusers'
+    ``attention_head_dim`` is the head count), GroupNorm(32), the mid block's transformer
+    included. Four transformer blocks: width 32 (three, head width 4) and 64 (the mid block's,
+    head width 8); cross-attention width 32, latents 16 x 16. A fresh dict at each call."""
+    return dict(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        norm_num_groups=32,
+    )
 
 
 def seed_iadd_forward(
@@ -159,8 +166,9 @@ def patch_seed_iadd(model: nn.Module) -> int:
 def tiny_unet(seed: int = 0, patched: bool = False) -> Tuple[nn.Module, Tuple[Tensor, Tensor, Tensor]]:
     import diffusers
 
-    torch.manual_seed(seed)
-    unet = diffusers.UNet2DConditionModel(**TINY_UNET).eval()
+    with torch.random.fork_rng(devices=[]):  # diffusers initialises from the global generator: left as it was
+        torch.manual_seed(seed)
+        unet = diffusers.UNet2DConditionModel(**tiny_unet_config()).eval()
     if patched:
         patch_seed_iadd(unet)
     g = torch.Generator().manual_seed(seed + 1)
