@@ -249,6 +249,36 @@ def test_the_same_work_row_names_what_it_compares():
     assert summary._compared(same).startswith("eager/")
 
 
+@st.composite
+def target_mixes(draw):
+    """The committed summary with its targets' values, limits and states drawn anew: whichever
+    way each target fell, with numbers of any length (a measured value decides the widest cell)."""
+    s = _committed()
+    targets = []
+    for t in s["targets"]:
+        value = draw(st.none() | NUMBERS)
+        state = "not measurable here" if value is None else draw(st.sampled_from(["met", "missed"]))
+        targets.append(t | {"value": value, "limit": draw(NUMBERS), "state": state})
+    return s | {"targets": targets}
+
+
+@settings(max_examples=60, deadline=None)
+@given(s=target_mixes(), width=st.integers(80, 200))
+def test_every_target_reads_whole_at_any_width(s, width):
+    """The Targets table at any width and any measured values: no line wider than the terminal,
+    no cell cut, each target's state heading its line, its words, value and limit all shown."""
+    lines = _render(s, width)
+    text = "\n".join(lines)
+    flat = " ".join(text.split())
+    assert max(cell_len(ln) for ln in lines) <= width
+    assert "…" not in text, "a cell cut at this width"
+    for t in s["targets"]:
+        assert t["target"] in flat, t["target"]
+        assert any(ln.startswith(t["state"] + "  ") or ln.startswith(t["state"] + " ") for ln in lines), t
+        measured, limit = summary._measured(t), summary._limit(t)
+        assert measured in flat and limit in flat, (measured, limit)
+
+
 @given(st.floats(0.001, 1000), st.floats(0.001, 1000))
 def test_a_target_shows_the_digits_that_tell_its_value_from_its_limit(value, limit):
     """measured "1.0204" against limit "1.02", never "1.02" twice beside "missed"; and the shown

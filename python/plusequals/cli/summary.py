@@ -192,34 +192,22 @@ def show(s: dict, console: Console) -> None:
         )
         for g in s["targets"]
     ]
-    if console.width < _targets_width(s["targets"]):
-        say(console, "[bold]Targets[/]")  # narrow: each target on its own line, its numbers below
+    t = Table(box=None, padding=(0, 1), pad_edge=False)
+    for name, justify in (("[bold]Targets[/]", "left"), ("", "left"), ("measured", "right"), ("limit", "right")):
+        t.add_column(name, no_wrap=True, justify=justify)
+    for row in targets:
+        t.add_row(*row)
+    if console.measure(t, options=console.options.update_width(10_000)).maximum <= console.width:  # unclamped
+        print_trimmed(console, t)
+    else:  # narrow: each target on its own line, its numbers below, so that no cell is cut
+        say(console, "[bold]Targets[/]")
         for state, target, measured, limit in targets:
             say(console, f"{state}  {target}")
             say(console, f"    [dim]measured[/] {measured}[dim], limit[/] {limit}")
-    else:
-        t = Table(box=None, padding=(0, 1), pad_edge=False)
-        for name, justify in (("[bold]Targets[/]", "left"), ("", "left"), ("measured", "right"), ("limit", "right")):
-            t.add_column(name, no_wrap=True, justify=justify)
-        for row in targets:
-            t.add_row(*row)
-        print_trimmed(console, t)
     if s["informational"]:
         say(console, f"[dim]({INFORMATIONAL}; measured: the worst shape)[/]")
     took = f" in {s['elapsed_s']:.0f} s" if s.get("elapsed_s") else ""
     say(console, f"Full report{took}: [bold]{escape(s['report'])}[/] [dim](every number: {escape(s['results'])})[/]")
-
-
-def _targets_width(targets: list) -> int:
-    """The Targets table's width unwrapped: each column's widest cell (its header included) and
-    one space between columns. Narrower consoles get one target per line, so no cell is cut."""
-    columns = (
-        [len("Targets")] + [len(g["state"]) for g in targets],
-        [len(g["target"]) for g in targets],
-        [len("measured")] + [len(_measured(g)) for g in targets],
-        [len("limit")] + [len(_limit(g)) for g in targets],
-    )
-    return sum(max(c) for c in columns) + len(columns) - 1
 
 
 def emit(data: dict, outdir: Path, output: str, console: Console) -> None:
