@@ -33,11 +33,11 @@ def _oracle(watch, global_keys) -> bool:
     class, every read dict's size, hook dicts empty, the global hook dicts' keys in order, and the
     watched lists' items."""
     missing = object()
-    notes = zip(watch.vdicts + watch.tdicts, watch.vkeys + watch.tkeys, watch.values + watch.tensors)
+    notes = watch.values + watch.tensors
     return (
         all(d.get(k, missing) is v for d, k, v in notes)
-        and all(type(m) is cls for m, cls in zip(watch.modules, watch.classes))
-        and all(len(d) == n for d, n in zip(watch.ldicts, watch.lens))
+        and all(type(m) is cls for m, cls in watch.classes)
+        and all(len(d) == n for d, n in watch.sizes)
         and all(len(d) == 0 for d in watch.hook_dicts)
         and all(len(d) == len(k) and all(a is b for a, b in zip(d, k)) for d, k in zip(watch.globals, global_keys))
         and all(len(lst) == len(items) and all(a is b for a, b in zip(lst, items)) for lst, items in watch.lists)
@@ -62,7 +62,7 @@ def _functions_as_read(watch) -> bool:
 
 def _dicts(watch):
     seen, out = set(), []
-    for d in watch.vdicts + watch.tdicts + watch.ldicts + watch.hook_dicts:
+    for d in [n.d for n in watch.values + watch.tensors] + [s.d for s in watch.sizes] + watch.hook_dicts:
         if id(d) not in seen:
             seen.add(id(d))
             out.append(d)
@@ -96,7 +96,7 @@ def _change(watch, d: dict, op: str, pick: int):
     elif op == "update_same" and key is not None:
         d.update({key: d[key]})
     elif op == "swap_class":
-        m = watch.modules[pick % len(watch.modules)]
+        m = watch.classes[pick % len(watch.classes)].obj
         cls = type(m)
         m.__class__ = type("Swapped", (cls,), {})
         return lambda: setattr(m, "__class__", cls)
@@ -208,7 +208,7 @@ def test_functions_changed_in_place_agree_with_the_oracle(direct, steps):
 
     _, watch, _ = _reading(2)
     rust = _rust.Watch(
-        same=[], classes=list(zip(watch.modules, watch.classes)), sizes=[], empty=[], keys=[],
+        same=[], classes=watch.classes, sizes=[], empty=[], keys=[],
         functions=[f, *watch.functions], direct=direct,
     )  # fmt: skip
     assert rust.functions[1 - direct] > 0

@@ -8,7 +8,7 @@ Rust (``plusequals._rust.Watch``), which every call of a ``RustBlock`` compares 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from . import casting
 from .forward_code import Note, read_code
 from .record import Ran
 
-__all__ = ["Watch", "class_name", "global_hook_kinds"]
+__all__ = ["Exact", "Noted", "Sized", "Watch", "class_name", "global_hook_kinds"]
 
 
 def class_name(obj: Any) -> str:
@@ -75,6 +75,28 @@ def global_hook_kinds() -> List[str]:
     ]
 
 
+class Noted(NamedTuple):
+    """One value a reading looked at: ``d[key]`` was ``value`` (compared by identity)."""
+
+    d: dict
+    key: str
+    value: Any
+
+
+class Sized(NamedTuple):
+    """A dict read from, and its size then (a key added or removed later is a change)."""
+
+    d: dict
+    n: int
+
+
+class Exact(NamedTuple):
+    """An object read (a module, a processor, a parameter), and its exact class then."""
+
+    obj: Any
+    cls: type
+
+
 class Watch:
     """Every value a reading looked at, with the dict it sits in (a module's ``__dict__``,
     ``_modules`` or ``_parameters``), and the size of each dict read from. :meth:`unchanged`
@@ -87,17 +109,11 @@ class Watch:
     harmless."""
 
     __slots__ = (
-        "vdicts",
-        "vkeys",
         "values",
-        "tdicts",
-        "tkeys",
         "tensors",
-        "ldicts",
-        "lens",
+        "sizes",
         "hook_dicts",
         "attrs",
-        "modules",
         "classes",
         "globals",
         "lists",
@@ -106,23 +122,18 @@ class Watch:
         "functions",
         "casting",
         "rust",
+        "_sized_dicts",
         "_seen",
         "_lseen",
         "_mseen",
     )
 
     def __init__(self) -> None:
-        self.vdicts: List[dict] = []
-        self.vkeys: List[str] = []
-        self.values: List[Any] = []
-        self.tdicts: List[dict] = []  # tensors (parameters), and unknown classes' state
-        self.tkeys: List[str] = []
-        self.tensors: List[Any] = []
-        self.ldicts: List[dict] = []
-        self.lens: List[int] = []
+        self.values: List[Noted] = []  # values compared by identity, which a traced call guards on too (attrs)
+        self.tensors: List[Noted] = []  # tensors (parameters), stores, and unknown classes' state
+        self.sizes: List[Sized] = []  # every dict read from, with its size when sealed
         self.hook_dicts: List[dict] = []
-        self.modules: List[nn.Module] = []  # every module read, and its exact class
-        self.classes: List[type] = []
+        self.classes: List[Exact] = []  # every module read (processors, parameters too), and its exact class
         self.globals: List[dict] = list(_global_hooks().values())
         self.lists: List[Tuple[list, List[Any]]] = []  # lists whose items are watched (PEFT's merged_adapters)
         self.code: List[Note] = []  # what the forward's code reads: classes and module globals (twin/forward_code.py)
@@ -133,6 +144,7 @@ class Watch:
         # (object, name, value) of every non-tensor value: what a traced forward compares, so
         # that torch.compile guards on it (tensors reach the custom op as arguments instead).
         self.attrs: List[Tuple[Any, str, Any]] = []
+        self._sized_dicts: List[dict] = []  # the dicts of sizes, until seal() reads their sizes
         self._seen: set = set()
         self._lseen: set = set()
         self._mseen: set = set()
@@ -140,20 +152,16 @@ class Watch:
     def _sized(self, d: dict) -> None:
         if id(d) not in self._lseen:
             self._lseen.add(id(d))
-            self.ldicts.append(d)
+            self._sized_dicts.append(d)
 
     def _note(self, d: dict, key: str, value: Any, obj: Any, by_identity: bool = False) -> Any:
         if (id(d), key) in self._seen:
             return value
         self._seen.add((id(d), key))
         if by_identity or isinstance(value, torch.Tensor):
-            self.tdicts.append(d)
-            self.tkeys.append(key)
-            self.tensors.append(value)
+            self.tensors.append(Noted(d, key, value))
         else:
-            self.vdicts.append(d)
-            self.vkeys.append(key)
-            self.values.append(value)
+            self.values.append(Noted(d, key, value))
             if obj is not None:  # an entry of a plain dict (PEFT's scaling) is no attribute to guard on
                 self.attrs.append((obj, key, value))
         return value
@@ -180,8 +188,7 @@ class Watch:
         processor, a parameter."""
         if id(obj) not in self._mseen:
             self._mseen.add(id(obj))
-            self.modules.append(obj)
-            self.classes.append(type(obj))
+            self.classes.append(Exact(obj, type(obj)))
 
     def module(self, m: nn.Module) -> None:
         """Notes ``m``'s exact class, its submodule, parameter and buffer dicts (the dicts
@@ -311,18 +318,17 @@ class Watch:
         self.rust = self._rust()
 
     def seal(self) -> "Watch":
-        self.lens = list(map(len, self.ldicts))
+        self.sizes = [Sized(d, len(d)) for d in self._sized_dicts]
         self.rust = self._rust()
         self._seen = self._lseen = self._mseen = set()
         return self
 
     def _rust(self) -> Any:
-        same = list(zip(self.vdicts, self.vkeys, self.values)) + list(zip(self.tdicts, self.tkeys, self.tensors))
-        same += [(n.d, n.key, n.value) for n in self.code if n.d is not None]
+        same = self.values + self.tensors + [Noted(n.d, n.key, n.value) for n in self.code if n.d is not None]
         return _rust.Watch(
             same=same,
-            classes=list(zip(self.modules, self.classes)),
-            sizes=list(zip(self.ldicts, self.lens)) + self.code_sizes,
+            classes=self.classes,
+            sizes=self.sizes + self.code_sizes,
             empty=self.hook_dicts,
             keys=[(d, list(d)) for d in self.globals],
             lists=self.lists,
