@@ -255,14 +255,7 @@ class _Reader:
     # -- the whole tree: hooks, buffers, dropouts, the parameter set ---------------------------
 
     def tree(self, expected: Tuple[str, ...]) -> None:
-        modules: List[Tuple[str, nn.Module]] = [("", self.root)]
-        for name in CHILDREN:
-            kid = self.kids.get(name)
-            if isinstance(kid, nn.Module):
-                modules += [(f"{name}.{sub}" if sub else name, m) for sub, m in kid.named_modules()]
-        for name, other in self.root._modules.items():  # what else the block holds: its parameters count
-            if name not in CHILDREN and isinstance(other, nn.Module):
-                modules += [(f"{name}.{sub}" if sub else name, m) for sub, m in other.named_modules()]
+        modules = self._modules()
         kinds = global_hook_kinds()
         if kinds:
             self.no(
@@ -278,20 +271,44 @@ class _Reader:
                 kinds = self.w.hooks_of(m)
                 if kinds:
                     self.no(f"<block> has {', '.join(kinds)}, which the Rust block would bypass")
-                params += [n for n, p in m._parameters.items() if p is not None]
-                buffers += [n for n, b in m._buffers.items() if b is not None]
-                continue
-            kinds = self.w.hooks_of(m, path)
-            if kinds:
-                self.no(f"{path} has {', '.join(kinds)}, which the Rust block would bypass")
-            if id(m) in self.skip_dropouts:
-                pass  # a LoRA adapter's dropout: twin/lora.py reads the active ones
-            elif isinstance(m, nn.Dropout) and type(m) is nn.Dropout:
-                self.dropout_p(m, path)
-            elif isinstance(m, nn.modules.dropout._DropoutNd) and m.p != 0 and m.training:
-                self.no(f"{path} is {class_name(m)} with p={m.p} in training mode")
-            params += [f"{path}.{n}" for n, p in m._parameters.items() if p is not None]
-            buffers += [f"{path}.{n}" for n, b in m._buffers.items() if b is not None]
+            else:
+                self._submodule(path, m)
+            prefix = f"{path}." if path else ""
+            params += [f"{prefix}{n}" for n, p in m._parameters.items() if p is not None]
+            buffers += [f"{prefix}{n}" for n, b in m._buffers.items() if b is not None]
+        self._parameter_set(params, expected)
+        if buffers:
+            self.no(f"it has buffers {buffers[:4]}, which the Rust block does not use")
+        self.reasons += casting.refusals(self.w.casting, self.lora)
+
+    def _modules(self) -> List[Tuple[str, nn.Module]]:
+        """Every module of the block by path, the block itself ("") first: its six submodules' trees
+        (the ones read), then what else it holds (whose parameters count too)."""
+        modules: List[Tuple[str, nn.Module]] = [("", self.root)]
+        for name in CHILDREN:
+            kid = self.kids.get(name)
+            if isinstance(kid, nn.Module):
+                modules += [(f"{name}.{sub}" if sub else name, m) for sub, m in kid.named_modules()]
+        for name, other in self.root._modules.items():
+            if name not in CHILDREN and isinstance(other, nn.Module):
+                modules += [(f"{name}.{sub}" if sub else name, m) for sub, m in other.named_modules()]
+        return modules
+
+    def _submodule(self, path: str, m: nn.Module) -> None:
+        """A submodule's hooks and dropout."""
+        kinds = self.w.hooks_of(m, path)
+        if kinds:
+            self.no(f"{path} has {', '.join(kinds)}, which the Rust block would bypass")
+        if id(m) in self.skip_dropouts:
+            pass  # a LoRA adapter's dropout: twin/lora.py reads the active ones
+        elif isinstance(m, nn.Dropout) and type(m) is nn.Dropout:
+            self.dropout_p(m, path)
+        elif isinstance(m, nn.modules.dropout._DropoutNd) and m.p != 0 and m.training:
+            self.no(f"{path} is {class_name(m)} with p={m.p} in training mode")
+
+    def _parameter_set(self, params: List[str], expected: Tuple[str, ...]) -> None:
+        """The block's parameters are exactly the expected ones, those the adapters account for, and
+        those of layers refused already (named there)."""
         explained = tuple(f"{path}." for path in self.refused)
         wrapped = tuple(f"{path}." for path in self.wrapped)  # their base layers' slots are the parameters
         used = {path for _, _, path in self.slots.values()} | self.accounted
@@ -302,9 +319,6 @@ class _Reader:
             self.no(f"parameters the Rust block does not use: {', '.join(extra[:4])}{more(extra)}")
         if missing:
             self.no(f"parameters missing: {', '.join(missing[:4])}{more(missing)}")
-        if buffers:
-            self.no(f"it has buffers {buffers[:4]}, which the Rust block does not use")
-        self.reasons += casting.refusals(self.w.casting, self.lora)
 
     def result(self, spec: Optional[BlockConfig], unknown: Tuple[str, ...] = ()) -> Reading:
         slots, paths = [], []
@@ -508,25 +522,8 @@ def _read_diffusers(r: _Reader, block: nn.Module) -> Reading:
     if type(block) is not attention_mod.BasicTransformerBlock:
         r.no(f"it is a {class_name(block)}, a subclass of BasicTransformerBlock whose forward may differ")
         return r.result(None)
-    w = r.w
-    norm_type = w.get(block, "norm_type")
-    if norm_type != "layer_norm":
-        r.no(f"norm_type={norm_type!r}; only 'layer_norm' is supported")
-    if w.get(block, "only_cross_attention"):
-        r.no("only_cross_attention=True (attn1 attends to the encoder states)")
-    if w.get(block, "double_self_attention"):
-        r.no("double_self_attention=True (attn2 is a second self-attention)")
-    if w.get(block, "pos_embed") is not None:
-        r.no(f"positional_embeddings={w.get(block, 'positional_embeddings')!r}")
-    if w.get(block, "fuser") is not None:
-        r.no("attention_type is 'gated'/'gated-text-image' (GLIGEN fuser)")
-    if w.get(block, "scale_shift_table") is not None:
-        r.no("it has a scale_shift_table (PixArt ada_norm_single)")
-    if w.get(block, "_chunk_size") is not None:
-        r.no("feed-forward chunking is on (set_chunk_feed_forward / enable_forward_chunking)")
+    _diffusers_options(r, block)
     kids = r.kids
-    if kids.get("attn2") is None or kids.get("norm2") is None:
-        r.no("it has no cross-attention (cross_attention_dim=None)")
     if r.reasons:
         return r.result(None)  # the structure below is not the SD v1 one; its checks would only add noise
     attn1, attn2 = kids["attn1"], kids["attn2"]
@@ -541,18 +538,7 @@ def _read_diffusers(r: _Reader, block: nn.Module) -> Reading:
         _diffusers_attention(r, attn, name, processor_mod, widths)
         _attention_projections(r, attn, name)
     if None not in (dim, heads, d_head):
-        inner = heads * d_head
-        for name, attn in (("attn1", attn1), ("attn2", attn2)):
-            to_k, to_v = base_of(attn._modules.get("to_k")), base_of(attn._modules.get("to_v"))
-            if (
-                type(to_k) is nn.Linear
-                and type(to_v) is nn.Linear
-                and (to_k.out_features, to_v.out_features) != (inner, inner)
-            ):
-                r.no(f"{name}.to_k/to_v do not project to {inner} (grouped or multi-query attention)")
-        to_k = base_of(attn1._modules.get("to_k"))
-        if type(to_k) is nn.Linear and to_k.in_features != dim:
-            r.no(f"attn1 is meant to be self-attention but its keys read width {to_k.in_features}")
+        _key_widths(r, attn1, attn2, dim, heads * d_head)
     ff = kids["ff"]
     gated = None
     if type(ff) is not attention_mod.FeedForward:
@@ -569,6 +555,43 @@ def _read_diffusers(r: _Reader, block: nn.Module) -> Reading:
     if None not in (dim, heads, d_head, gated):
         spec = BlockConfig(dim, heads, d_head, context_dim, bool(gated), "sdpa")
     return r.result(spec)
+
+
+def _diffusers_options(r: _Reader, block: nn.Module) -> None:
+    """The options of diffusers' block that the SD v1 kind leaves off, and its cross-attention."""
+    w = r.w
+    norm_type = w.get(block, "norm_type")
+    if norm_type != "layer_norm":
+        r.no(f"norm_type={norm_type!r}; only 'layer_norm' is supported")
+    if w.get(block, "only_cross_attention"):
+        r.no("only_cross_attention=True (attn1 attends to the encoder states)")
+    if w.get(block, "double_self_attention"):
+        r.no("double_self_attention=True (attn2 is a second self-attention)")
+    if w.get(block, "pos_embed") is not None:
+        r.no(f"positional_embeddings={w.get(block, 'positional_embeddings')!r}")
+    if w.get(block, "fuser") is not None:
+        r.no("attention_type is 'gated'/'gated-text-image' (GLIGEN fuser)")
+    if w.get(block, "scale_shift_table") is not None:
+        r.no("it has a scale_shift_table (PixArt ada_norm_single)")
+    if w.get(block, "_chunk_size") is not None:
+        r.no("feed-forward chunking is on (set_chunk_feed_forward / enable_forward_chunking)")
+    if r.kids.get("attn2") is None or r.kids.get("norm2") is None:
+        r.no("it has no cross-attention (cross_attention_dim=None)")
+
+
+def _key_widths(r: _Reader, attn1: Any, attn2: Any, dim: int, inner: int) -> None:
+    """Both attentions' keys and values project to ``heads * d_head``; attn1's keys read the block's width."""
+    for name, attn in (("attn1", attn1), ("attn2", attn2)):
+        to_k, to_v = base_of(attn._modules.get("to_k")), base_of(attn._modules.get("to_v"))
+        if (
+            type(to_k) is nn.Linear
+            and type(to_v) is nn.Linear
+            and (to_k.out_features, to_v.out_features) != (inner, inner)
+        ):
+            r.no(f"{name}.to_k/to_v do not project to {inner} (grouped or multi-query attention)")
+    to_k = base_of(attn1._modules.get("to_k"))
+    if type(to_k) is nn.Linear and to_k.in_features != dim:
+        r.no(f"attn1 is meant to be self-attention but its keys read width {to_k.in_features}")
 
 
 def _diffusers_attention(r: _Reader, attn: Any, name: str, processor_mod, widths: tuple) -> None:

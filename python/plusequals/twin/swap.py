@@ -15,7 +15,7 @@ submodules (``norm1, attn1, norm2, attn2, norm3, ff``) under the same names, so 
 ``state_dict`` keys, ``parameters()``, ``attn_processors`` and ``.to()`` behave as before; it
 rebuilds its Rust twin whenever the parameters it was built on change identity, storage, dtype
 or device (``.to()``, ``.half()``, ``load_state_dict(assign=True)``), and refuses to run once
-something it cannot honour appears (an IP-Adapter processor, a DoRA adapter, LoRA dropout in
+something it cannot honour appears (an attention processor it does not compute, LoRA dropout in
 training, ...): the same mechanism as ``RustBlock.from_torch``. It takes diffusers' masks
 (``attention_mask``, ``encoder_attention_mask``) and runs peft LoRA adapters in Rust; what runs and
 what is refused is the README's drop-in section. What
@@ -333,13 +333,7 @@ def swap_transformer_blocks(model: nn.Module, *, owned: bool = False) -> SwapHan
     if isinstance(model, block_cls):
         raise ValueError("swap_transformer_blocks needs the model that contains the blocks, not a block itself")
 
-    sites: List[Tuple[str, nn.Module, str, nn.Module]] = []
-    seen = set()
-    for parent_path, parent in model.named_modules(remove_duplicate=False):
-        for name, child in parent._modules.items():
-            if isinstance(child, block_cls) and (id(parent), name) not in seen:
-                seen.add((id(parent), name))
-                sites.append((f"{parent_path}.{name}" if parent_path else name, parent, name, child))
+    sites = _sites(model, block_cls)
     if not sites:
         already = sum(isinstance(m, RustTransformerBlock) for m in model.modules())
         hint = f" ({already} are already swapped)" if already else ""
@@ -347,22 +341,7 @@ def swap_transformer_blocks(model: nn.Module, *, owned: bool = False) -> SwapHan
 
     # 1. Check every block and build every Rust twin; nothing is replaced yet. The check is
     # plusequals.twin.faithful.read_block, the same definition RustBlock.from_torch uses.
-    refusals: List[str] = []
-    n_bad = 0
-    built: Dict[int, RustTransformerBlock] = {}
-    for path, _, _, block in sites:
-        if id(block) in built:
-            continue  # the same block registered twice: one replacement for both sites
-        reasons = read_block(block).reasons
-        if not reasons:
-            try:
-                built[id(block)] = RustTransformerBlock(block, path=path, owned=owned)
-            except UnsupportedBlockError as e:
-                reasons = [str(e).split(": ", 1)[-1]]
-            except (ValueError, TypeError, RuntimeError) as e:
-                reasons = [f"the Rust block could not be built: {e}"]
-        n_bad += bool(reasons)
-        refusals += [f"  {path}: {r}" for r in reasons]
+    built, refusals, n_bad = _build(sites, owned)
     if refusals:
         raise UnsupportedBlockError(
             f"swap_transformer_blocks refused {n_bad} of {len(sites)} BasicTransformerBlock(s); nothing was swapped. "
@@ -379,6 +358,43 @@ def swap_transformer_blocks(model: nn.Module, *, owned: bool = False) -> SwapHan
         setattr(parent, name, replacement)
         swapped.append(Swapped(path, parent, name, block, replacement))
     return SwapHandle(swapped)
+
+
+_Site = Tuple[str, nn.Module, str, nn.Module]  # (path, parent, name, block)
+
+
+def _sites(model: nn.Module, block_cls: type) -> List[_Site]:
+    """Where ``model`` registers a block of ``block_cls``: every (parent, name) once."""
+    sites: List[_Site] = []
+    seen = set()
+    for parent_path, parent in model.named_modules(remove_duplicate=False):
+        for name, child in parent._modules.items():
+            if isinstance(child, block_cls) and (id(parent), name) not in seen:
+                seen.add((id(parent), name))
+                sites.append((f"{parent_path}.{name}" if parent_path else name, parent, name, child))
+    return sites
+
+
+def _build(sites: List[_Site], owned: bool) -> Tuple[Dict[int, "RustTransformerBlock"], List[str], int]:
+    """A replacement for each block (by id), or the reasons it is refused: (built, refusals, how
+    many blocks were refused)."""
+    refusals: List[str] = []
+    n_bad = 0
+    built: Dict[int, RustTransformerBlock] = {}
+    for path, _, _, block in sites:
+        if id(block) in built:
+            continue  # the same block registered twice: one replacement for both sites
+        reasons = read_block(block).reasons
+        if not reasons:
+            try:
+                built[id(block)] = RustTransformerBlock(block, path=path, owned=owned)
+            except UnsupportedBlockError as e:
+                reasons = [str(e).split(": ", 1)[-1]]
+            except (ValueError, TypeError, RuntimeError) as e:
+                reasons = [f"the Rust block could not be built: {e}"]
+        n_bad += bool(reasons)
+        refusals += [f"  {path}: {r}" for r in reasons]
+    return built, refusals, n_bad
 
 
 def unswap_transformer_blocks(handle: SwapHandle) -> None:
