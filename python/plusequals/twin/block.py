@@ -18,17 +18,18 @@ from torch import Tensor, nn
 from .. import _rust
 from ..errors import UnsupportedBlockError, ownership_error
 from . import letgo, ops
-from .adapters import eager_extras, forward_tuple, functorch_weights, takes_images
-from .arguments import check_tensor, masks_of, pair, refuse_grad, seen
+from .adapter import Carried
+from .arguments import check_tensor, masks_of, seen
 from .build import check_dims, validated_inner
 from .config import BlockConfig
-from .delegate import delegated, under_function_mode
-from .dispatch import autocast_dtype, converts_results, seen_by_python, symbolic, why_not_donatable
-from .faithful import CHILDREN, Reading, can_probe, probe, read_block
+from .delegate import delegated
+from .dispatch import autocast_dtype, converts_results, why_not_donatable
+from .faithful import ADAPTERS, CHILDREN, Reading, can_probe, probe, read_block
 from .forward_code import code_changes
 from .hooks import run_under_saved_tensor_hooks
+from .ip_adapter import forward_tuple
 from .record import Ran, Recorder
-from .traceable import untraceable
+from .route import Path, route, route_owned
 
 # torch.compile and torch.export trace through this name too (Dynamo knows the function, not the
 # name): under them it is True, and the hot path, an opaque call, is never traced.
@@ -103,7 +104,6 @@ class RustBlock(nn.Module):
         self._ran: Optional[Ran] = None  # what the last probe that agreed ran: watched (twin/record.py)
         self._lora_layers: Tuple[str, ...] = ()  # peft LoRA layers in the last reading: never traced
         self._casting = False  # diffusers' layerwise casting in the last reading (twin/casting.py): never traced
-        self._ip_tokens: Optional[int] = None  # IP-Adapter's num_tokens[0] (twin/adapters.py)
         self._entry: Any = None  # the hot path's entry into Rust (_rebind)
         self._rebind()
 
@@ -190,9 +190,9 @@ class RustBlock(nn.Module):
         the module must be read again first: never read (a copy), or refused. Called wherever the
         Rust block or the reading changes: the block's construction, :meth:`_reread`, the rebuild in
         :meth:`_ensure_current`, and unpickling."""
-        inner, reading = self._twin.inner, self._reading
-        ip = self._config is not None and bool(self._config.ip_adapter)  # its calls: twin/adapters.py
-        if not isinstance(inner, _rust.Block) or (self._source is not None and reading is None) or ip:
+        inner, reading, config = self._twin.inner, self._reading, self._config
+        cold = config is not None and not all(a.hot(config) for a in ADAPTERS)  # an adapter's inputs: Python's
+        if not isinstance(inner, _rust.Block) or (self._source is not None and reading is None) or cold:
             self._entry = None
         else:
             self._entry = _rust.Entry(inner, None if reading is None else reading.watch.rust)
@@ -224,7 +224,6 @@ class RustBlock(nn.Module):
             self._refuse(UnsupportedBlockError, _NO_CASTING)  # a ValueError too, as from_torch's
         self._config = reading.spec._replace(language=self.LANGUAGE)
         self._lora_layers, self._casting = reading.lora_layers, bool(reading.casting)
-        self._ip_tokens = reading.ip_tokens
         self._paths = reading.paths
         self._guards = [(obj, name, value, not isinstance(value, _SCALARS)) for obj, name, value in reading.watch.attrs]
         if traced:
@@ -311,7 +310,9 @@ class RustBlock(nn.Module):
                 now = getattr(obj, name, None)
                 if (now is not value) if by_identity else (now != value):
                     raise UnsupportedBlockError(f"{self._where()}: {type(obj).__name__}.{name} changed while traced")
-            why = untraceable(self._config, self._casting, self._lora_layers)
+            why = next(
+                filter(None, (a.untraceable(self._config, self._casting, self._lora_layers) for a in ADAPTERS)), None
+            )
             if why:
                 raise UnsupportedBlockError(f"{self._where()}: {why}")
             # getattr, not get_parameter: functional_call puts plain tensors there (torch.func)
@@ -377,29 +378,20 @@ class RustBlock(nn.Module):
                     y = NotImplemented  # the module changed: the full path reads it again
                 if y is not NotImplemented:
                     return y
-        modes = under_function_mode(x, context)  # which would see the PyTorch block's calls: it runs
-        if modes:
-            return delegated(self, modes, x, context, masks_of(attention_mask, encoder_attention_mask))
-        masks = (
-            {}
-            if attention_mask is None and encoder_attention_mask is None
-            else masks_of(attention_mask, encoder_attention_mask)
-        )
-        if isinstance(context, (tuple, list)) and takes_images(self):  # IP-Adapter's (text, images)
-            return forward_tuple(self, x, context, masks)
-        if torch.compiler.is_compiling() or symbolic(x, context) or (masks and symbolic(*pair(masks))):
-            return ops.block_forward(*self._op_args(x, context, masks))
-        if _functorch_weights(self):
+        masks = masks_of(attention_mask, encoder_attention_mask)
+        to = route(x, context, masks, current=self._carried, functorch=self._functorch_weights, adapters=ADAPTERS)
+        if to.path is Path.DELEGATE:
+            return delegated(self, to.modes, x, context, masks)
+        if to.path is Path.IMAGES:
+            return forward_tuple(to.now, x, context, masks)
+        if to.path is Path.FUNCTORCH:
             return self._functorch_forward(x, context, masks)
-        check_tensor("x", x)
-        check_tensor("context", context, optional=True)
-        if seen_by_python(x, context, dispatch_modes=False) or (masks and seen(masks, dispatch_modes=False)):
-            return ops.block_forward(*self._op_args(x, context, masks))
-        y = eager_extras(self, x, context, masks)  # IP-Adapter's tensor form; Custom Diffusion's refusals
-        if y is not None:
-            return y
-        call = functools.partial(self._call, **masks) if masks else self._call
-        return run_under_saved_tensor_hooks(call, "forward", x, context)
+        if to.path is Path.ADAPTER:
+            return to.adapter.eager(to.now, x, context, masks)
+        if to.path is Path.RUST:
+            call = functools.partial(self._call, **masks) if masks else self._call
+            return run_under_saved_tensor_hooks(call, "forward", x, context)
+        return ops.block_forward(*self._op_args(x, context, masks))  # traced, or seen by Python: the custom op
 
     def forward_owned(
         self,
@@ -429,48 +421,51 @@ class RustBlock(nn.Module):
                 if y is not NotImplemented:
                     return y
         masks = masks_of(attention_mask, encoder_attention_mask)
-        modes = [] if donate else under_function_mode(x, context)  # a donation under one: refused (_donate)
-        if modes:
-            refuse_grad(x, context if isinstance(context, Tensor) else None)
-            return delegated(self, modes, x, context, masks, owned=True)
-        if isinstance(context, (tuple, list)) and takes_images(self):  # IP-Adapter's: forward's sums, grad off
-            return forward_tuple(self, x, context, masks, donate=donate)
-        traced = torch.compiler.is_compiling() or symbolic(x, context) or (bool(masks) and symbolic(*pair(masks)))
-        if not traced and _functorch_weights(self):
-            raise UnsupportedBlockError(
-                f"{self._where()}: forward_owned cannot run on functorch-wrapped weights (torch.func.grad, vmap or "
-                "jvp over functional_call): the in-place forward needs the weights' storage"
-            )
-        check_tensor("x", x)
-        check_tensor("context", context, optional=True)
-        refuse_grad(x, context)
-        if not traced and self._source is not None:
-            self._ensure_current()
-            if self._config.ip_adapter and not donate:  # the image embeddings are forward's: the same sums
-                with torch.no_grad():
-                    return RustBlock.forward(self, x, context, **masks)
-            if self._config.ip_adapter:
-                raise UnsupportedBlockError(f"{self._where()}: a donation takes no IP-Adapter image embeddings")
-            eager_extras(self, x, context, masks)  # Custom Diffusion's refusals
-        if donate:
-            if traced:
-                raise RuntimeError(
-                    "forward_owned(donate=True) cannot be traced (torch.compile, torch.export, FakeTensor): a donated "
-                    "tensor is invalidated in Python, which a graph cannot express; pass donate=False (the compiler "
-                    "may still reuse the buffer)"
-                )
+        to = route_owned(
+            x,
+            context,
+            masks,
+            donate,
+            where=self._where(),
+            current=self._carried,
+            functorch=self._functorch_weights,
+            adapters=ADAPTERS,
+        )
+        if to.path is Path.DELEGATE:
+            return delegated(self, to.modes, x, context, masks, owned=True)
+        if to.path is Path.IMAGES:
+            return forward_tuple(to.now, x, context, masks, donate=donate)
+        if to.path is Path.FORWARD:  # an adapter's inputs are forward's: the same sums, grad off
+            with torch.no_grad():
+                return RustBlock.forward(self, x, context, **masks)
+        if to.path is Path.DONATE:
             return self._donate(x, context, masks)
-        if traced:
+        if to.path is Path.TRACED:
             args = self._op_args(x, context, masks)
             y = x.clone(memory_format=torch.contiguous_format)
             ops.block_forward_owned_(y, *args[1:])
             return y
-        if seen_by_python(x, context, dispatch_modes=True) or (masks and seen(masks, dispatch_modes=True)):
+        if to.path is Path.SEEN:
             # The same values, without an in-place op for Python code to see x in (a subclass's
             # __torch_dispatch__ would apply it once per inner tensor, into one x).
             with torch.no_grad():
                 return ops.block_forward(*self._op_args(x, context, masks))
         return self._call("forward_owned", x, context, donate=False, **masks)
+
+    def _carried(self) -> Optional[Carried]:
+        """What an adapter's call sees of this block (twin/adapter.py), read again first if it
+        changed (:meth:`_ensure_current`); None when it follows no module."""
+        if self._source is None:
+            return None
+        self._ensure_current()
+        return Carried(self._where(), self._config, self._reading, self._modules, self._functorch_weights(), self._call)
+
+    def _functorch_weights(self) -> bool:
+        """Whether a torch.func transform is active and the weights are functorch-wrapped
+        (``functional_call`` under ``grad``/``vmap``/``jvp``): they have no storage to build on."""
+        if self._source is None or torch._C._functorch.peek_interpreter_stack() is None:
+            return False
+        return any(map(torch._C._functorch.is_functorch_wrapped_tensor, self.parameters()))
 
     def _functorch_forward(self, x: Tensor, context: Optional[Tensor], masks: Dict[str, Tensor]) -> Tensor:
         """``forward`` with functorch-wrapped weights (``torch.func`` over ``functional_call``),
@@ -603,6 +598,3 @@ _NO_CASTING = (
 
 def _split(path: str) -> Tuple[str, str, str]:
     return path.rpartition(".")
-
-
-_functorch_weights = functorch_weights  # the swap imports it from here

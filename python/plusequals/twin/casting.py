@@ -23,7 +23,9 @@ input to the storage dtype), DoRA under casting (peft's DoRA reads the stored we
 at the call (:func:`mixed_dtypes`), weights of more than one dtype once cast: a compute dtype other
 than the uncast layers' dtype, or a LoRA adapter added after the casting (peft stores it in the
 storage dtype, outside the hooks); diffusers' own forward fails in both. ``RustBlock.from_torch``
-does not cast: it refuses a block with layerwise casting, naming the swap. A leaf.
+does not cast: it refuses a block with layerwise casting, naming the swap. A traced call is refused
+too (:class:`Casting`): the custom ops would take the stored low-precision weights. A leaf: imports
+nothing of the package but ``adapter`` and ``config``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ import contextlib
 import sys
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["accepted", "mixed_dtypes", "recast", "refusals", "window"]
+from .adapter import Adapter
+from .config import BlockConfig
+
+__all__ = ["CASTING_ADAPTER", "Casting", "accepted", "mixed_dtypes", "recast", "refusals", "window"]
 
 #: diffusers' registry names of the hooks that layerwise casting installs.
 CASTING, PEFT_INPUT = "layerwise_casting", "peft_autocast_disable"
@@ -114,3 +119,22 @@ def window(casting: Sequence[Tuple[str, Any, Any]]) -> Iterator[None]:
     finally:
         for module, hook in reversed(done):
             hook.post_forward(module, None)
+
+
+class Casting(Adapter):
+    """diffusers' layerwise casting (module docstring): read where the reader finds its hooks
+    (``Watch.hooks_of``), computed by the swap's block, which casts around each call."""
+
+    name = "layerwise casting"
+
+    def untraceable(self, config: BlockConfig, casting: bool, lora_layers: Sequence[str]) -> Optional[str]:
+        if casting:
+            return (
+                "a block under diffusers' layerwise casting cannot be traced (torch.compile, torch.export, "
+                "FakeTensor) or run under a mode or with tensor subclasses: the custom ops would take the stored "
+                "low-precision weights; call it eagerly on plain tensors"
+            )
+        return None
+
+
+CASTING_ADAPTER = Casting()

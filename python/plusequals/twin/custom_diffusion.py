@@ -17,19 +17,26 @@ parameters, the output dropout; a change reads the block again. The layers a fla
 the processor's own, unused (as in diffusers). Refused, naming the cause: flags that are not
 bools, layers that are not ``nn.Linear`` (with a bias where diffusers has none), an output that is
 not ``[Linear, Dropout]``, and an attention whose ``heads * d_head`` is not the block's width
-(diffusers' 2_0 processor splits the heads by the hidden states' width). Masks are refused at the
-call (``twin/swap.py``). A leaf: imports nothing of the package but ``watch``.
+(diffusers' 2_0 processor splits the heads by the hidden states' width). At the call
+(:class:`CustomDiffusion`), masks are refused (diffusers' processor hands the mask, repeated per
+head over the batch, to the attention without viewing it per head), and so is a traced call (the
+custom ops take the base weights only).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
 
+from ..errors import UnsupportedBlockError
+from .adapter import Adapter, Carried
+from .config import BlockConfig
 from .watch import class_name
 
-__all__ = ["CUSTOM_DIFFUSION_PROCESSORS", "read_custom_diffusion"]
+__all__ = ["CUSTOM_DIFFUSION", "CUSTOM_DIFFUSION_PROCESSORS", "CustomDiffusion", "read_custom_diffusion"]
+
+_TRACED = "cannot be traced (torch.compile, torch.export, FakeTensor) or run under a mode or with tensor subclasses"
 
 #: diffusers' Custom Diffusion processors that the Rust block computes: the 2_0 one bitwise (SDPA),
 #: the other within 1e-5 (baddbmm and softmax instead of SDPA, as AttnProcessor).
@@ -101,3 +108,36 @@ def _output(r: Any, processor: Any, prefix: str, name: str, used: bool) -> Any:
     bias = _layer(r, processor, f"{prefix}.to_out_custom_diffusion.0", f"{name}.custom_diffusion.to_out.0", True, True)
     r.dropout(r.w.get(out, "1"), f"{prefix}.to_out_custom_diffusion.1")
     return bias
+
+
+def _attns(config: BlockConfig) -> str:
+    return ", ".join(spec[0] for spec in config.custom_diffusion)
+
+
+class CustomDiffusion(Adapter):
+    """Custom Diffusion on attn1 or attn2 (module docstring)."""
+
+    name = "Custom Diffusion"
+    processors = CUSTOM_DIFFUSION_PROCESSORS
+
+    def read_processor(self, r: Any, processor: Any, attn: str, widths: tuple) -> None:
+        read_custom_diffusion(r, processor, attn, widths)
+
+    def untraceable(self, config: BlockConfig, casting: bool, lora_layers: Sequence[str]) -> Optional[str]:
+        if config is not None and config.custom_diffusion:  # the ops take no layers of its
+            return (
+                f"a block with Custom Diffusion ({_attns(config)}) {_TRACED}: the custom ops take the base weights "
+                "only; call it eagerly on plain tensors"
+            )
+        return None
+
+    def check(self, now: Carried, masks: Mapping[str, Any]) -> None:
+        if now.config.custom_diffusion and masks:
+            raise UnsupportedBlockError(
+                f"{now.where}: {' and '.join(masks)} with Custom Diffusion ({_attns(now.config)}): diffusers' "
+                "CustomDiffusionAttnProcessor hands the mask, repeated per head over the batch, to the attention "
+                "without viewing it per head, which the Rust block does not reproduce; call it without masks"
+            )
+
+
+CUSTOM_DIFFUSION = CustomDiffusion()

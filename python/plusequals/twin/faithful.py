@@ -49,16 +49,20 @@ from torch import nn
 
 from ..model import blocks
 from . import casting
+from .adapter import Adapter
 from .config import BlockConfig, rust_keys
-from .custom_diffusion import CUSTOM_DIFFUSION_PROCESSORS, read_custom_diffusion
+from .custom_diffusion import CUSTOM_DIFFUSION
 from .dispatch import tracing_tensor
 from .forward_code import data_descriptor
-from .ip_adapter import IP_ADAPTER_PROCESSORS, read_ip_adapter
-from .lora import base_of, is_lora, read_lora
+from .ip_adapter import IP_ADAPTER
+from .lora import LORA, base_of, is_lora, read_lora
 from .probe import PROBE_BOUND, can_probe, probe
 from .watch import Watch, class_name, global_hook_kinds
 
-__all__ = ["CHILDREN", "PROBE_BOUND", "Reading", "TRUST", "can_probe", "probe", "read_block"]
+__all__ = ["ADAPTERS", "CHILDREN", "PROBE_BOUND", "Reading", "TRUST", "can_probe", "probe", "read_block"]
+
+#: The adapters a block may carry (twin/adapter.py), in the order their refusals are named.
+ADAPTERS: Tuple[Adapter, ...] = (IP_ADAPTER, casting.CASTING_ADAPTER, CUSTOM_DIFFUSION, LORA)
 
 #: The six submodules of a block, in diffusers' registration order (the CompVis order differs;
 #: state_dict keys are the same).
@@ -602,10 +606,9 @@ def _diffusers_attention(r: _Reader, attn: Any, name: str, processor_mod, widths
         w.state(processor)
     r.called.append(processor)
     supported = tuple(getattr(processor_mod, n) for n in SUPPORTED_PROCESSORS)
-    if type(processor) in tuple(getattr(processor_mod, n) for n in IP_ADAPTER_PROCESSORS):
-        read_ip_adapter(r, processor, name)
-    elif type(processor) in tuple(getattr(processor_mod, n) for n in CUSTOM_DIFFUSION_PROCESSORS):
-        read_custom_diffusion(r, processor, name, widths)
+    adapter = next((a for a in ADAPTERS if type(processor) in [getattr(processor_mod, n) for n in a.processors]), None)
+    if adapter is not None:
+        adapter.read_processor(r, processor, name, widths)
     elif type(processor) not in supported:
         kind = next((v for k, v in _PROCESSOR_KINDS.items() if type(processor).__name__.startswith(k)), None)
         r.no(

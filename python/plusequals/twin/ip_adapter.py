@@ -17,20 +17,44 @@ What the reading looks at is watched: the processor's ``to_k_ip``/``to_v_ip`` li
 layers' parameters, the items of ``scale`` (``set_ip_adapter_scale`` writes them in place) and
 of ``num_tokens``; a change reads the block again. Refused, naming the cause: an IP-Adapter processor on ``attn1``,
 a scale that is a list (per-image scales, used with ``ip_adapter_masks``), layers that are not
-bias-free ``nn.Linear``, and a different number of key and value projections. A leaf: imports
-nothing of the package but ``watch``.
+bias-free ``nn.Linear``, and a different number of key and value projections.
+
+The call (:class:`IPAdapter`, for ``RustBlock`` and the swap's ``RustTransformerBlock``): the image
+embeddings are an argument of the Rust block's forward only, in eager calls on plain tensors
+(:func:`forward_ip`), as diffusers' UNet passes them (:func:`forward_tuple`) or in diffusers'
+deprecated tensor form (:meth:`IPAdapter.eager`). Everything else is refused with an
+:class:`UnsupportedBlockError` naming the cause, never a ``TypeError`` or ``ValueError`` from the
+boundary: a traced call, a donation, a malformed pair.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import numbers
-from typing import Any
+from typing import Any, List, Mapping, Optional, Sequence
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
+from ..errors import UnsupportedBlockError
+from .adapter import Adapter, Carried
+from .arguments import check_tensor
+from .config import BlockConfig
+from .dispatch import seen_by_python, symbolic
+from .hooks import run_under_saved_tensor_hooks
 from .watch import class_name
 
-__all__ = ["IP_ADAPTER_PROCESSORS", "read_ip_adapter", "split_tensor_context"]
+__all__ = [
+    "IP_ADAPTER",
+    "IP_ADAPTER_PROCESSORS",
+    "IPAdapter",
+    "forward_ip",
+    "forward_tuple",
+    "read_ip_adapter",
+    "split_tensor_context",
+    "takes_images",
+]
 
 #: diffusers' IP-Adapter processors that the Rust block computes: the 2_0 one bitwise (SDPA), the
 #: other one within 1e-5 (baddbmm and softmax instead of SDPA, as AttnProcessor).
@@ -81,3 +105,112 @@ def split_tensor_context(context: Any, tokens: int) -> tuple:
     it splits it: ``(text, [image])``, the image its last ``tokens`` tokens (``num_tokens[0]``)."""
     end_pos = context.shape[1] - tokens
     return context[:, :end_pos, :], [context[:, end_pos:, :]]
+
+
+# --------------------------------------------------------------------------------------------
+# The call
+# --------------------------------------------------------------------------------------------
+
+
+def forward_ip(now: Carried, x: Tensor, context: Any, masks: Mapping[str, Any], images: List[Tensor]) -> Tensor:
+    """The block with IP-Adapter's image embeddings: eagerly, on plain tensors (the custom ops take none)."""
+    check_tensor("encoder_hidden_states[0]", context)
+    ip = now.config.ip_adapter
+    if len(images) != len(ip):
+        raise UnsupportedBlockError(
+            f"{now.where}: encoder_hidden_states carries {len(images)} image embeddings for {len(ip)} "
+            "IP-Adapters on attn2: pass one per adapter (diffusers' UNet does, from added_cond_kwargs)"
+        )
+    given = {k: m for k, m in masks.items() if m is not None}
+    tensors = [x, context, *images, *given.values()]
+    if (
+        torch.compiler.is_compiling()
+        or any(symbolic(t, None) or seen_by_python(t, None, dispatch_modes=False) for t in tensors)
+        or now.functorch
+    ):
+        raise UnsupportedBlockError(
+            f"{now.where}: a block with an IP-Adapter cannot be traced (torch.compile, torch.export, "
+            "FakeTensor) or run under a mode, with tensor subclasses or functorch transforms: the custom ops "
+            "take no image embeddings; call it eagerly on plain tensors"
+        )
+    call = functools.partial(now.rust, ip_adapter=images, **given)
+    return run_under_saved_tensor_hooks(call, "forward", x, context)
+
+
+def takes_images(now: Optional[Carried]) -> bool:
+    """Whether the block (``now``: None when it follows no module) carries an IP-Adapter on attn2
+    now: then a tuple context is IP-Adapter's (:func:`forward_tuple`); otherwise it is a bad
+    ``context`` (a ``TypeError`` naming it)."""
+    return now is not None and bool(now.config.ip_adapter)
+
+
+def forward_tuple(
+    now: Carried, x: Tensor, pair: Any, masks: Mapping[str, Any], donate: Optional[bool] = None
+) -> Tensor:
+    """``encoder_hidden_states`` as diffusers' UNet passes it when an IP-Adapter is loaded
+    (``encoder_hid_dim_type="ip_image_proj"``): ``(text embeddings, [image embeddings])``, for attn2's
+    IP-Adapter processor. Without one, or malformed, refused naming the cause, never a TypeError from
+    the boundary. ``donate``: from ``forward_owned`` (False: the same sums, grad off; True: refused)."""
+    processor = type(getattr(now.modules.get("attn2"), "processor", None)).__name__
+    where = now.where
+    if not now.config.ip_adapter:
+        raise UnsupportedBlockError(
+            f"{where}: encoder_hidden_states is a {type(pair).__name__}, IP-Adapter's (text embeddings, image "
+            f"embeddings) that diffusers' UNet passes when an IP-Adapter is loaded, but attn2's processor is "
+            f"{processor}, which takes one tensor"
+        )
+    if len(pair) != 2 or not isinstance(pair[1], (tuple, list)):
+        raise UnsupportedBlockError(
+            f"{where}: encoder_hidden_states must be (text embeddings, [image embeddings per adapter]) for attn2's "
+            f"{processor}"
+        )
+    if donate:
+        raise UnsupportedBlockError(f"{where}: {IP_ADAPTER.undonatable}; pass donate=False")
+    for i, image in enumerate(pair[1]):
+        check_tensor(f"encoder_hidden_states[1][{i}]", image)
+    with torch.no_grad() if donate is False else contextlib.nullcontext():
+        return forward_ip(now, x, pair[0], masks, list(pair[1]))
+
+
+class IPAdapter(Adapter):
+    """IP-Adapter on attn2 (module docstring)."""
+
+    name = "IP-Adapter"
+    processors = IP_ADAPTER_PROCESSORS
+    undonatable = "a donation takes no IP-Adapter image embeddings"
+
+    def read_processor(self, r: Any, processor: Any, attn: str, widths: tuple) -> None:
+        read_ip_adapter(r, processor, attn)
+
+    def untraceable(self, config: BlockConfig, casting: bool, lora_layers: Sequence[str]) -> Optional[str]:
+        if config is not None and config.ip_adapter:  # the ops take no image embeddings
+            return "a block with an IP-Adapter (attn2) cannot be traced"
+        return None
+
+    def hot(self, config: BlockConfig) -> bool:
+        return not config.ip_adapter  # the image embeddings are an argument of the full path only
+
+    def takes(self, now: Carried) -> bool:
+        return bool(now.config.ip_adapter)
+
+    def eager(self, now: Carried, x: Tensor, context: Any, masks: Mapping[str, Any]) -> Tensor:
+        """diffusers' deprecated tensor ``encoder_hidden_states``: split as diffusers splits it
+        (:func:`split_tensor_context`), for one adapter only; refused, naming the cause, otherwise."""
+        config, where = now.config, now.where
+        if context is None:
+            raise UnsupportedBlockError(
+                f"{where}: attn2 carries an IP-Adapter, whose processor needs encoder_hidden_states (text and image "
+                "embeddings); got None"
+            )
+        tokens = now.reading.ip_tokens
+        if len(config.ip_adapter) != 1 or tokens is None:
+            raise UnsupportedBlockError(
+                f"{where}: encoder_hidden_states is a tensor for {len(config.ip_adapter)} IP-Adapters on attn2: "
+                "diffusers' deprecated tensor form feeds its last num_tokens[0] tokens to the first adapter only; "
+                "pass (text embeddings, [image embeddings per adapter]) as diffusers' UNet does"
+            )
+        text, images = split_tensor_context(context, tokens)
+        return forward_ip(now, x, text, masks, images)
+
+
+IP_ADAPTER = IPAdapter()

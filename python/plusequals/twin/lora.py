@@ -32,20 +32,25 @@ same ops in the same order, so forward and backward are PEFT's bit for bit on th
 naming it: peft's DoRA cache in eval mode (``ENABLE_DORA_CACHING``: a weight norm from an earlier
 call), ``fan_in_fan_out``, and an ``nn.Dropout`` ``lora_dropout`` while the layer trains (PEFT then
 recomputes the base result from the dropped-out input). Merged DoRA adapters are the merged base
-weight, as for LoRA. A leaf: imports nothing of the package but ``watch``.
+weight, as for LoRA.
+
+At the call (:class:`Lora`), a traced call is refused: the custom ops take the base weights only,
+and a traced graph would not see the adapters change (merged or disabled ones too).
 """
 
 from __future__ import annotations
 
 import numbers
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from torch import nn
 
+from .adapter import Adapter
+from .config import BlockConfig
 from .watch import class_name
 
-__all__ = ["base_of", "is_lora", "read_lora"]
+__all__ = ["LORA", "Lora", "base_of", "is_lora", "read_lora"]
 
 
 def _lora_linear() -> Optional[type]:
@@ -182,3 +187,23 @@ def _magnitude(r: Any, lin: nn.Module, name: str, adapter: str, dropout: Any, ke
         )
         return None
     return r.param(layer, "weight", f"{name}.lora_magnitude_vector.{adapter}.weight", key)
+
+
+class Lora(Adapter):
+    """PEFT LoRA and DoRA on the block's linear layers (module docstring): read where the reader finds
+    a LoRA layer in place of an ``nn.Linear`` (``faithful._Reader.linear``)."""
+
+    name = "LoRA"
+
+    def untraceable(self, config: BlockConfig, casting: bool, lora_layers: Sequence[str]) -> Optional[str]:
+        if lora_layers:  # merged or disabled too: a traced graph would not see them change
+            return (
+                f"a block with LoRA adapters ({', '.join(lora_layers)}) cannot be traced (torch.compile, "
+                "torch.export, FakeTensor) or run under a mode or with tensor subclasses: the custom ops take the "
+                "base weights only; call it eagerly on plain tensors, or remove the adapters (merge_and_unload, "
+                "unload_lora)"
+            )
+        return None
+
+
+LORA = Lora()

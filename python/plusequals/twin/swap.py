@@ -34,12 +34,12 @@ from torch import Tensor, nn
 
 from ..errors import UnsupportedBlockError
 from . import casting
-from .adapters import forward_tuple
 from .block import ADOPT, RustBlock
 from .config import rust_keys
 from .delegate import delegated_call, under_function_mode
 from .dispatch import seen_by_python, symbolic
 from .faithful import SUPPORTED_PROCESSORS, read_block
+from .ip_adapter import forward_tuple
 
 __all__ = [
     "RustTransformerBlock",
@@ -233,7 +233,7 @@ class RustTransformerBlock(RustBlock):
         if kwargs:
             raise TypeError(f"{where}: unexpected keyword arguments {sorted(kwargs)}")
         if isinstance(encoder_hidden_states, (tuple, list)):
-            return forward_tuple(self, hidden_states, encoder_hidden_states, masks)
+            return forward_tuple(self._carried(), hidden_states, encoder_hidden_states, masks)
         if self.owned and not torch.is_grad_enabled():
             return RustBlock.forward_owned(self, hidden_states, encoder_hidden_states, donate=False, **masks)
         return RustBlock.forward(self, hidden_states, encoder_hidden_states, **masks)
@@ -248,7 +248,7 @@ class RustTransformerBlock(RustBlock):
         if processor in ("AttnProcessor2_0", "IPAdapterAttnProcessor2_0"):  # SDPA's masks
             return
         if processor.startswith("CustomDiffusion"):
-            return  # no mask at all: refused with its cause (twin/adapters.py)
+            return  # no mask at all: refused with its cause (twin/custom_diffusion.py)
         what = "a boolean mask" if mask.dtype == torch.bool else "2-d (batch, keys)"
         raise UnsupportedBlockError(
             f"{self._where()}: {name} is {what}, which {attn}'s {processor} cannot take as diffusers' other "

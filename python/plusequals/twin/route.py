@@ -1,0 +1,167 @@
+"""Where a call of a ``RustBlock`` goes once the hot path (one call into Rust) handed it back,
+decided once per call: :func:`route` (``forward``) and :func:`route_owned` (``forward_owned``)
+return a :class:`Route`, or raise the refusal.
+
+The paths, in the order they are tried:
+
+* a user's TorchFunctionMode is active: the PyTorch block runs in the twin's place
+  (:mod:`plusequals.twin.delegate`);
+* IP-Adapter's ``(text, [images])`` context (:mod:`plusequals.twin.ip_adapter`);
+* traced or fake (``torch.compile``, ``torch.export``, FakeTensor): the custom ops
+  (:mod:`plusequals.twin.ops`), which take the weights as arguments;
+* functorch-wrapped weights: the custom op where the transform has a rule for it, else refused;
+* a mode or a tensor subclass would see the ops: the custom ops, eagerly;
+* an adapter computes it, or refuses it (:mod:`plusequals.twin.adapter`);
+* ``forward_owned(donate=True)``: the donation's transaction;
+* otherwise the Rust block, eagerly.
+
+It sees the block only through what it is given: ``current`` (the block read again if it changed,
+as an adapter sees it; None when it follows no module), ``functorch`` (whether its weights are
+functorch-wrapped now) and the adapters.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import UnsupportedBlockError
+from .adapter import Adapter, Carried
+from .arguments import check_tensor, pair, refuse_grad, seen
+from .delegate import under_function_mode
+from .dispatch import seen_by_python, symbolic
+from .ip_adapter import takes_images
+
+__all__ = ["Path", "Route", "route", "route_owned"]
+
+
+class Path(enum.Enum):
+    DELEGATE = "delegate"  # a user's TorchFunctionMode: the PyTorch block runs (modes: Route.modes)
+    IMAGES = "images"  # IP-Adapter's (text, [images]) context (Route.now)
+    TRACED = "traced"  # traced or fake: the custom ops
+    FUNCTORCH = "functorch"  # functorch-wrapped weights: the custom op, or refused
+    SEEN = "seen"  # a mode or a subclass would see the ops: the custom ops, eagerly
+    ADAPTER = "adapter"  # an adapter computes it (Route.adapter, Route.now)
+    FORWARD = "forward"  # forward_owned as forward, grad off: an adapter's inputs are forward's
+    DONATE = "donate"  # forward_owned(donate=True): the donation's transaction
+    RUST = "rust"  # the Rust block, eagerly
+
+
+class Route(NamedTuple):
+    """Where a call goes (:class:`Path`), with what that path needs."""
+
+    path: Path
+    modes: Sequence[str] = ()  # DELEGATE: the active modes, by name
+    now: Optional[Carried] = None  # IMAGES, ADAPTER: the block as the adapter sees it
+    adapter: Optional[Adapter] = None  # ADAPTER: the adapter that computes it
+
+
+Current = Callable[[], Optional[Carried]]
+
+
+def _traced(x: Tensor, context: Any, masks: Dict[str, Tensor]) -> bool:
+    return torch.compiler.is_compiling() or symbolic(x, context) or (bool(masks) and symbolic(*pair(masks)))
+
+
+def _images(context: Any, current: Current) -> Optional[Route]:
+    """IP-Adapter's (text, [images]) context, where the block carries one now (a tuple context is a
+    bad ``context`` otherwise: a ``TypeError`` naming it)."""
+    if isinstance(context, (tuple, list)):
+        now = current()
+        if takes_images(now):
+            return Route(Path.IMAGES, now=now)
+    return None
+
+
+def _taker(now: Carried, adapters: Sequence[Adapter]) -> Optional[Adapter]:
+    return next((a for a in adapters if a.takes(now)), None)
+
+
+def route(
+    x: Tensor,
+    context: Any,
+    masks: Dict[str, Tensor],
+    *,
+    current: Current,
+    functorch: Callable[[], bool],
+    adapters: Sequence[Adapter],
+) -> Route:
+    """``forward``'s route (module docstring)."""
+    modes: List[str] = under_function_mode(x, context)  # which would see the PyTorch block's calls: it runs
+    if modes:
+        return Route(Path.DELEGATE, modes)
+    images = _images(context, current)
+    if images is not None:
+        return images
+    if _traced(x, context, masks):
+        return Route(Path.TRACED)
+    if functorch():
+        return Route(Path.FUNCTORCH)
+    check_tensor("x", x)
+    check_tensor("context", context, optional=True)
+    if seen_by_python(x, context, dispatch_modes=False) or (masks and seen(masks, dispatch_modes=False)):
+        return Route(Path.SEEN)
+    now = current()
+    if now is not None:
+        for adapter in adapters:  # what the Rust block cannot take with an adapter: refused
+            adapter.check(now, masks)
+        taker = _taker(now, adapters)
+        if taker is not None:
+            return Route(Path.ADAPTER, now=now, adapter=taker)
+    return Route(Path.RUST)
+
+
+def route_owned(
+    x: Tensor,
+    context: Any,
+    masks: Dict[str, Tensor],
+    donate: bool,
+    *,
+    where: str,
+    current: Current,
+    functorch: Callable[[], bool],
+    adapters: Sequence[Adapter],
+) -> Route:
+    """``forward_owned``'s route (module docstring): grad off, and a donation refused wherever it
+    cannot be one transaction."""
+    modes = [] if donate else under_function_mode(x, context)  # a donation under one: refused (_donate)
+    if modes:
+        refuse_grad(x, context if isinstance(context, Tensor) else None)
+        return Route(Path.DELEGATE, modes)
+    images = _images(context, current)  # forward's sums, grad off
+    if images is not None:
+        return images
+    traced = _traced(x, context, masks)
+    if not traced and functorch():
+        raise UnsupportedBlockError(
+            f"{where}: forward_owned cannot run on functorch-wrapped weights (torch.func.grad, vmap or "
+            "jvp over functional_call): the in-place forward needs the weights' storage"
+        )
+    check_tensor("x", x)
+    check_tensor("context", context, optional=True)
+    refuse_grad(x, context)
+    now = None if traced else current()
+    if now is not None:
+        taker = _taker(now, adapters)
+        if taker is not None:  # its inputs are forward's: the same sums
+            if donate:
+                raise UnsupportedBlockError(f"{now.where}: {taker.undonatable}")
+            return Route(Path.FORWARD)
+        for adapter in adapters:
+            adapter.check(now, masks)
+    if donate:
+        if traced:
+            raise RuntimeError(
+                "forward_owned(donate=True) cannot be traced (torch.compile, torch.export, FakeTensor): a donated "
+                "tensor is invalidated in Python, which a graph cannot express; pass donate=False (the compiler "
+                "may still reuse the buffer)"
+            )
+        return Route(Path.DONATE)
+    if traced:
+        return Route(Path.TRACED)
+    if seen_by_python(x, context, dispatch_modes=True) or (masks and seen(masks, dispatch_modes=True)):
+        return Route(Path.SEEN)
+    return Route(Path.RUST)
