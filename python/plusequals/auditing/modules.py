@@ -103,16 +103,32 @@ def containers(value: Any) -> List[Tuple[str, Any]]:
     return out
 
 
+# values that hold no tensor: not walked as a tree (a module call's flags and sizes)
+_LEAVES = (type(None), bool, int, float, str)
+
+
 def arguments(module: Any, args: tuple, kwargs: dict, cache: Dict[Any, Tuple[str, ...]]) -> Tuple[Arg, ...]:
-    labelled_ = labelled(module, args, kwargs, cache)
+    """The tensors among a call's arguments, each with its parameter's name and its memory."""
+    return tensor_args(labelled(module, args, kwargs, cache))
+
+
+def tensor_args(labelled_: List[Tuple[str, Any]]) -> Tuple[Arg, ...]:
+    """The tensors among the labelled arguments (see :func:`labelled`), each with its memory."""
     out = []
     with torch._C.DisableTorchFunction():
         for label, value in labelled_:
+            if isinstance(value, _LEAVES):
+                continue
             for t in (value,) if isinstance(value, Tensor) else tensors(value):
                 s = span(t)
                 if s is not None:
                     out.append(Arg(label, s, t))
     return tuple(out)
+
+
+# nn.Module's own bookkeeping (its parameter, buffer, submodule and hook dicts): the parameters
+# and buffers are kept one by one, and no module is given these dicts to mutate
+_MODULE_OWN = frozenset(vars(nn.Module()))
 
 
 class ModuleWatch:
@@ -217,8 +233,11 @@ class ModuleWatch:
                     if t is not None:
                         self._keep(t, (kind, prefix + attr))
             for attr, t in vars(m).items():
+                if attr in _MODULE_OWN or isinstance(t, _LEAVES):
+                    continue
                 if isinstance(t, Tensor):
                     self._keep(t, ("attribute", prefix + attr))
+                    continue
                 for at, c in containers(t):
                     self._shared.setdefault(id(c), (c, f"the attribute `{prefix + attr}{at}`"))
 
@@ -262,9 +281,9 @@ class ModuleWatch:
 
     def push_root(self, fn: Any, args: tuple, kwargs: dict) -> None:
         """For a callable that is not a module: its arguments are the borrowed ones."""
-        given = arguments(fn, args, kwargs, self._params)
-        self._keep_given(given)
         values = labelled(fn, args, kwargs, self._params)
+        given = tensor_args(values)
+        self._keep_given(given)
         self._share_given(values)
         name = getattr(fn, "__qualname__", type(fn).__name__)
         self.stack.append(Call("", name, given, None, 0, fn, self._given_containers(values)))
@@ -279,8 +298,8 @@ class ModuleWatch:
         # Module._call_impl), else none are seen
         kwargs = caller.f_locals.get("kwargs") if caller.f_code.co_filename.startswith(_MODULE_PY) else None
         kwargs = kwargs if isinstance(kwargs, dict) else {}
-        given = arguments(module, args, kwargs, self._params)
         values = labelled(module, args, kwargs, self._params)
+        given = tensor_args(values)
         if id(module) == self._root and not self.stack:
             self._keep_given(given)
             self._share_given(values)
