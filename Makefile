@@ -25,6 +25,11 @@ export CCACHE_DIR ?= $(CACHE)/ccache
 # a hit is the same kernel (keyed by the graph, Inductor's config and torch's version).
 export TORCHINDUCTOR_CACHE_DIR ?= $(CACHE)/inductor
 REPORT_ARGS ?=
+# The builds that write the extension's release artifact (maturin develop, maturin build, and
+# `pip install <repo>` in scripts/test_install.sh) take turns: cargo locks the target dir while it
+# compiles, but each copies target/release's library after cargo has let go, and they differ in
+# features (build-dev's failpoints), so one must not compile between another's build and copy.
+export BUILD_LOCK := $(CACHE)/build.lock
 
 .PHONY: help venv build-dev test check clean-cache sweep test-python test-rust test-install wheel lint report demo clean pytest cargo-test lint-checks
 
@@ -67,7 +72,7 @@ venv: $(VENV)/.installed
 build-dev: venv
 	@scripts/preflight.sh $(VENV)
 	@scripts/step.sh "build: rust/ and cpp/ (release) into plusequals._rust, installed in $(VENV)" $(LOG) \
-		$(VENV)/bin/maturin develop --release --uv --features python,failpoints --extras test,diffusers,compilers
+		flock $(BUILD_LOCK) $(VENV)/bin/maturin develop --release --uv --features python,failpoints --extras test,diffusers,compilers
 
 test-python: build-dev
 	@$(MAKE) --no-print-directory pytest
@@ -75,11 +80,12 @@ test-python: build-dev
 test-rust: venv
 	@$(MAKE) --no-print-directory cargo-test
 
-# make test: lint, the Rust tests and the release build; then pytest on every core (pytest-xdist:
-# each worker holds libtorch to its share of the cores, tests/conftest.py) beside the install
-# checks (the wheel and `pip install <repo>`, each into a fresh venv, mostly pip unpacking torch).
-test: lint test-rust build-dev
-	@$(MAKE) --no-print-directory -j2 --output-sync=line pytest test-install
+# make test: two job slots. pytest (on every core: pytest-xdist, each worker holding libtorch to
+# its share of the cores, tests/conftest.py) starts as soon as the release build is in; the other
+# slot runs cargo test, lint, then the install checks (the wheel and `pip install <repo>`, each into
+# a fresh venv: mostly pip unpacking torch and Python starting up), which fill what pytest leaves.
+test: venv
+	@$(MAKE) --no-print-directory -j2 --output-sync=line test-python test-rust lint test-install
 
 # The quick loop while developing: no lint, no install checks, the slow tests left out and a
 # quarter of each hypothesis budget (the dev profile, tests/conftest.py). CI runs make test.
@@ -103,7 +109,7 @@ cargo-test:
 wheel: venv
 	@rm -f dist/plusequals-*.whl
 	@scripts/step.sh "wheel: maturin build --release --out dist" $(LOG) \
-		$(VENV)/bin/maturin build --release --out dist
+		flock $(BUILD_LOCK) $(VENV)/bin/maturin build --release --out dist
 	@ls dist/plusequals-*.whl
 
 # The package as a user installs it, into a fresh venv with torch 2.11.0 (scripts/test_install.sh):

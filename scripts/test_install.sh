@@ -69,6 +69,9 @@ check "$no_rust"
 step "install: pip uninstall plusequals" "$log" pip uninstall -y plusequals
 target=${CARGO_TARGET_DIR:-$repo/target}
 [ "${COLD:-0}" = 1 ] && target=$work/target
+# BUILD_LOCK (the Makefile's): this build and make's own release builds take turns in the shared target.
+locked=()
+[ -n "${BUILD_LOCK:-}" ] && [ "$target" != "$work/target" ] && locked=(flock "$BUILD_LOCK")
 step "install: pip install <repo>[diffusers] (from source, isolated build, cargo in $target)" "$log" \
-  env CARGO_TARGET_DIR="$target" pip install "$repo[diffusers]"
+  env CARGO_TARGET_DIR="$target" "${locked[@]}" pip install "$repo[diffusers]"
 check "$PATH"
