@@ -28,7 +28,6 @@ __all__ = [
     "TextualInversion",
     "agreement",
     "strategy_audit",
-    "tiny_unet_config",
 ]
 
 SETTINGS = ("skip", "training", "checkpointed")
@@ -107,15 +106,9 @@ def agreement(strategy: str, setting: str, report: AuditReport) -> Optional[str]
 # --------------------------------------------------------------------------------------------
 # diffusers: a small UNet2DConditionModel, with and without the seed's `+=`
 # --------------------------------------------------------------------------------------------
-
-
 def tiny_unet_config() -> Dict[str, Any]:
-    """``UNet2DConditionModel(**tiny_unet_config())`` is SD v1's UNet shrunk (the project's one
-    small UNet: the audit's cases, the sweep, the report's ``--quick`` UNet step and the tests):
-    two levels (one with cross-attention), one resnet per level, 8 heads (diffusers'
-    ``attention_head_dim`` is the head count), GroupNorm(32), the mid block's transformer
-    included. Four transformer blocks: width 32 (three, head width 4) and 64 (the mid block's,
-    head width 8); cross-attention width 32, latents 16 x 16. A fresh dict at each call."""
+    """SD v1's UNet shrunk, the one small UNet of the cases, the sweep, the report's --quick step and
+    the tests: 2 levels (one with cross-attention), 1 resnet each, 8 heads, GroupNorm(32), 4 blocks."""
     return dict(
         sample_size=16,
         in_channels=4,
