@@ -18,8 +18,10 @@ export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 # torch-sys's C++ wrapper is compiled by each build (clippy's, cargo test's, trybuild's, maturin's):
 # .cargo/config.toml gives it one set of flags in every profile, and ccache (from .venv) compiles it
-# once per machine.
-export CXX := $(abspath scripts/ccache-g++)
+# once per machine. CXX is scripts/ccache-g++ copied into CACHE (`make venv`), a path that is the
+# same in every clone: torch-sys's build script reruns when CXX changes, and tch, pyo3-tch and this
+# crate are compiled again after it, in each profile.
+export CXX := $(CACHE)/ccache-g++
 export CCACHE_DIR ?= $(CACHE)/ccache
 # Inductor's compiled kernels (torch.compile in the report and the tests), kept like ccache's objects:
 # a hit is the same kernel (keyed by the graph, Inductor's config and torch's version).
@@ -30,6 +32,12 @@ REPORT_ARGS ?=
 # compiles, but each copies target/release's library after cargo has let go, and they differ in
 # features (build-dev's failpoints), so one must not compile between another's build and copy.
 export BUILD_LOCK := $(CACHE)/build.lock
+# pyo3's build configuration, from a file (rust/pyo3-abi3.txt: the abi3 build for CPython >= 3.11)
+# rather than from an interpreter: pyo3 rebuilds, and this crate with it, whenever the interpreter's
+# path changes, and the install check's `pip install <repo>` builds for its own venv's. From the
+# file, make's builds and that one are the same build. Copied into CACHE (an absolute path, the same
+# in every clone) only when it differs, since pyo3 reruns when the file's time changes.
+export PYO3_CONFIG_FILE := $(CACHE)/pyo3-abi3.txt
 
 .PHONY: help venv build-dev test check clean-cache sweep test-python test-rust test-install wheel lint report demo clean pytest cargo-test lint-checks
 
@@ -63,6 +71,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 # Every make run points STABLE_VENV at this clone's venv (see the top of this file).
 venv: $(VENV)/.installed
 	@mkdir -p $(CACHE) && ln -sfn $(abspath $(VENV)) $(STABLE_VENV)
+	@cmp -s rust/pyo3-abi3.txt $(PYO3_CONFIG_FILE) || cp rust/pyo3-abi3.txt $(PYO3_CONFIG_FILE)
+	@cmp -s scripts/ccache-g++ $(CXX) || cp scripts/ccache-g++ $(CXX)
 
 # maturin develop: compiles the extension (release) and installs plusequals editable into .venv,
 # with its dependencies and the test, diffusers and compilers extras from pyproject.toml. This is
