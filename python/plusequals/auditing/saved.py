@@ -10,7 +10,7 @@ them (autograd no longer checks their versions), and unpacking them would run th
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set
 
 import torch
 from torch import Tensor
@@ -30,22 +30,20 @@ class Saved(NamedTuple):
     module: str  # the innermost module running when it was saved
 
 
-_ATTRS: Dict[type, Tuple[str, ...]] = {}
+# Per autograd node class, its saved attributes that may hold a tensor (``_saved_input``,
+# ``saved_tensors``): those found to hold a size, a scalar or a dtype are dropped the first time
+# (the same for every node of the class). Keyed by autograd's node classes, which live as long as torch.
+_ATTRS: Dict[type, List[str]] = {}
 
 
-def _saved_attrs(cls: type) -> Tuple[str, ...]:
+def _saved_attrs(cls: type) -> List[str]:
     found = _ATTRS.get(cls)
     if found is None:
         names = [a for a in dir(cls) if a.startswith("_saved_")]
         if hasattr(cls, "saved_tensors") and hasattr(cls, "_raw_saved_tensors"):  # autograd.Function nodes
             names.append("saved_tensors")
-        found = _ATTRS[cls] = tuple(names)
+        found = _ATTRS[cls] = names
     return found
-
-
-# Per node class, the saved attributes that hold no tensor (sizes, scalars, dtypes): not read
-# again. Keyed by autograd's node classes, which live as long as torch.
-_SCALARS: Dict[type, Set[str]] = {}
 
 
 def _scalar(value: Any) -> bool:
@@ -72,39 +70,52 @@ class SavedTensors:
         """Walks the nodes behind ``node`` not seen yet, noting what each saved (nothing when
         ``quiet``: saved under saved-tensors hooks); ``module`` was running when they were;
         ``at_op``: the memory of the parameters the op was given, by id, as it used them."""
-        if node is None or node in self.seen:
+        seen = self.seen
+        if node is None or node in seen:
             return
         stack = [node]
         while stack:
             n = stack.pop()
-            if n is None or n in self.seen:
+            if n in seen:
                 continue
-            self.seen.add(n)
+            seen.add(n)
             if not quiet:
-                self._note_saved(n, module, at_op)
-            stack.extend(next_node for next_node, _ in n.next_functions)
+                attrs = _ATTRS.get(type(n))
+                if attrs is None:
+                    attrs = _saved_attrs(type(n))
+                if attrs:  # a node that saves nothing (AccumulateGrad, a view's) costs no call
+                    self._note_saved(n, attrs, module, at_op)
+            for next_node, _ in n.next_functions:
+                if next_node is not None and next_node not in seen:
+                    stack.append(next_node)
 
-    def _note_saved(self, node: Any, module: str, at_op: Optional[Dict[int, Optional[Span]]]) -> None:
-        cls = type(node)
-        scalars = _SCALARS.setdefault(cls, set())
-        for attr in _saved_attrs(cls):
-            if attr in scalars:
-                continue
+    def _note_saved(self, node: Any, attrs: List[str], module: str, at_op: Optional[Dict[int, Optional[Span]]]) -> None:
+        scalars = None
+        for attr in attrs:
             try:
                 value = getattr(node, attr)
             except RuntimeError:  # freed, or saved as undefined
                 continue
-            if _scalar(value):
-                scalars.add(attr)  # an int, a size, a dtype: never a tensor for this node class
-                continue
-            for t in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(t, Tensor):
-                    s = at_op.get(id(t)) if at_op is not None and id(t) in at_op else span(t)
-                    if s is not None:
-                        entry = Saved(node, attr, t, t._version, s, module)
-                        self._by_storage.setdefault(s.storage, []).append(entry)
-                        if type(t) is Parameter:
-                            self._params.append(entry)
+            if isinstance(value, Tensor):
+                self._note_tensor(node, attr, value, module, at_op)
+            elif _scalar(value):  # an int, a size, a dtype: never a tensor for this node class
+                scalars = [attr] if scalars is None else [*scalars, attr]
+            elif isinstance(value, (tuple, list)):
+                for t in value:
+                    if isinstance(t, Tensor):
+                        self._note_tensor(node, attr, t, module, at_op)
+        for attr in scalars or ():
+            attrs.remove(attr)
+
+    def _note_tensor(
+        self, node: Any, attr: str, t: Tensor, module: str, at_op: Optional[Dict[int, Optional[Span]]]
+    ) -> None:
+        s = at_op[id(t)] if at_op is not None and id(t) in at_op else span(t)
+        if s is not None:
+            entry = Saved(node, attr, t, t._version, s, module)
+            self._by_storage.setdefault(s.storage, []).append(entry)
+            if type(t) is Parameter:
+                self._params.append(entry)
 
     def saving(self, written: Span) -> List[Saved]:
         """The saved tensors, not yet overwritten since saved, whose memory ``written`` overlaps.
