@@ -11,6 +11,7 @@ clean. The audited run is the plain run, bit for bit.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import numpy as np
@@ -367,9 +368,11 @@ def test_a_numpy_export_is_dropped_once_its_array_and_views_are_gone():
 
 
 def test_what_the_watch_does_not_see():
-    """The limits, each shown: an export in the Python code that backward runs (a custom
-    Function's backward), and an export through a name bound to torch's function before the
-    audit (``from torch.utils.dlpack import to_dlpack``), are not watched."""
+    """The limit, shown: an export in the Python code that backward runs (a custom Function's
+    backward) is not watched. An export through a name bound to torch's function before the audit
+    (``from torch.utils.dlpack import to_dlpack``) is not watched either, but an aten write through
+    the tensor made from it is compared by address with the call's arguments: the caller's ``x``,
+    ``E0596`` at the write."""
     from torch.utils.dlpack import from_dlpack, to_dlpack
 
     class Scale(torch.autograd.Function):
@@ -387,14 +390,19 @@ def test_what_the_watch_does_not_see():
     class Early(nn.Module):
         def forward(self, x):
             y = from_dlpack(to_dlpack(x))
-            y.mul_(2.0)  # writes the caller's x, through a capsule the watch never saw
+            y.mul_(2.0)  # writes the caller's x, through a capsule the watch never saw: early
             return x + 1
 
     w = torch.ones(3)
     report = audit(lambda x: Scale.apply(x, w), torch.ones(3, requires_grad=True), backward=True)
     assert report.findings == [] and w.tolist() == [0.0, 0.0, 0.0]
     x = torch.ones(3)
-    assert audit(Early(), x).clean and x.tolist() == [2.0, 2.0, 2.0]
+    found = audit(Early(), x).findings
+    assert x.tolist() == [2.0, 2.0, 2.0] and [f.code for f in found] == ["E0596"]
+    line = next(
+        i for i, s in enumerate(inspect.getsource(test_what_the_watch_does_not_see).splitlines()) if "early" in s
+    )
+    assert found[0].where.endswith(f":{test_what_the_watch_does_not_see.__code__.co_firstlineno + line}")
 
 
 def test_audit_run_and_the_plugin_scope_see_the_same_write():

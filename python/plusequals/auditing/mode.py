@@ -273,6 +273,7 @@ class WriteWatch(TorchDispatchMode):
             s = span(t)
             if s is None:
                 continue
+            s = self._same_memory(t, s)
             owner = self.modules.owner(s, t, metadata_only)
             entries = self.saved.saving(s)  # a metadata-only write (`unsqueeze_`) bumps the version too
             # a module's own parameter or buffer (BatchNorm's running statistics) is no second name
@@ -293,6 +294,15 @@ class WriteWatch(TorchDispatchMode):
             if entries:
                 module = self.modules.running(sys._getframe())
                 self.candidates.append(Candidate(seq, module, where, op, self.phase, entries, self.modules.writer()))
+
+    def _same_memory(self, t: Tensor, s: Span) -> Span:
+        """An argument's bytes written through a storage of their own (``torch.from_numpy`` of the
+        array it was made from): the argument's memory. Not where an export watches those bytes
+        (an exported array's tensor): the export reports the write, as one through its view."""
+        moved = self.modules.same_memory(t, s)
+        if moved is s or any(e.span.overlaps(moved) for e in self.exported):
+            return s
+        return moved
 
     def _aliases(self, t: Tensor) -> List[Tuple[FrameType, str, Tuple[str, ...]]]:
         """The other names for the tensor object ``t`` (directly or in a tuple, list or dict) in

@@ -147,6 +147,7 @@ class ModuleWatch:
         self._names: Dict[int, str] = {}
         self._params: Dict[Any, Tuple[str, ...]] = {}
         self._kept: Dict[int, List[Tuple[Span, Tuple[str, str]]]] = {}  # storage -> (span, (kind, name))
+        self._given: Tuple[Arg, ...] = ()  # the audited call's tensor arguments
         self._root: Optional[int] = None  # id() of the audited module
         # the lists and dicts of tensors that outlive the calls (the audited call's arguments, the
         # watched modules' attributes): id -> (the container, who holds it)
@@ -213,6 +214,7 @@ class ModuleWatch:
         self.stack.clear()
         self._params.clear()
         self._kept.clear()
+        self._given = ()
         self._shared.clear()
         self._by_name.clear()
 
@@ -242,6 +244,7 @@ class ModuleWatch:
                     self._shared.setdefault(id(c), (c, f"the attribute `{prefix + attr}{at}`"))
 
     def _keep_given(self, args: Tuple[Arg, ...]) -> None:
+        self._given += args
         for a in args:
             self._kept.setdefault(a.span.storage, []).append((a.span, ("audited call's argument", a.label)))
 
@@ -346,6 +349,32 @@ class ModuleWatch:
                 return self._names[id(me)]
             frame = frame.f_back
         return ""
+
+    def same_memory(self, tensor: Tensor, written: Span) -> Span:
+        """``written`` (the memory a write into ``tensor`` reaches) as the memory of a running
+        call's argument or of the audited call's whose bytes ``tensor`` shares through a storage
+        of its own: ``torch.from_numpy`` (or ``torch.as_tensor``, ``torch.frombuffer``) of the
+        NumPy array an argument was made from or exported to. Else ``written`` itself. Compared
+        by address, on a device with addresses (the meta device has none)."""
+        if written.storage in self._kept or any(a.span.storage == written.storage for c in self.stack for a in c.args):
+            return written
+        try:
+            base = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return written
+        if base == 0:
+            return written
+        lo, hi = base + written.start, base + written.stop
+        others = [a for c in reversed(self.stack) for a in c.args] + [a for a in self._given]
+        for a in others:
+            try:
+                storage = a.tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            other = storage.data_ptr()
+            if other and storage._cdata == a.span.storage and other + a.span.start < hi and lo < other + a.span.stop:
+                return Span(a.span.storage, lo - other, hi - other)
+        return written
 
     def owner(self, written: Span, tensor: Tensor, metadata_only: bool) -> Optional[Tuple[Call, Arg]]:
         """The innermost running call that was given the memory ``written`` (for a metadata-only
