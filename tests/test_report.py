@@ -328,7 +328,7 @@ def _boundary(s: Seen) -> list[str]:
 
 
 def _against_eager(section: str):
-    """A table of whole steps (a UNet step, the audit's train step), each against eager's."""
+    """A table of whole steps (a UNet step), each against eager's."""
 
     def expected(s: Seen) -> list[str]:
         u = next(u for u in s.data[section]["rows"] if u["name"] == s.row[0])
@@ -336,6 +336,14 @@ def _against_eager(section: str):
         return [u["name"], fmt(u["median_ms"]), fmt(u["iqr_ms"]), vs]
 
     return expected
+
+
+def _audit_cost(s: Seen) -> list[str]:
+    """The audit's cost: a row per (model family, step), each step against that family's eager."""
+    family = next(f for f in s.data["audit_cost"]["families"] if f["model"] == s.row[0])
+    u = next(u for u in family["rows"] if u["name"] == s.row[1])
+    vs = "reference" if u["name"] == "eager" else _ratio(u["vs_eager"], u["vs_eager_q1"], u["vs_eager_q3"])
+    return [family["model"], u["name"], fmt(u["median_ms"]), fmt(u["iqr_ms"]), vs]
 
 
 def _targets(s: Seen) -> list[str]:
@@ -360,7 +368,7 @@ TABLES = [
     (lambda s: s.caption.startswith("The crossing"), _crossing),
     (lambda s: s.heading == "The boundary", _boundary),
     (lambda s: s.heading == "A whole UNet step", _against_eager("unet_step")),
-    (lambda s: s.heading == "The audit's cost on a training step", _against_eager("audit_cost")),
+    (lambda s: s.heading == "The audit's cost on a training step", _audit_cost),
     (lambda s: s.heading == "Targets", _targets),
 ]
 
@@ -527,29 +535,77 @@ def test_the_ratio_figure_draws_every_paired_ratio_to_the_reference():
 
 
 def test_the_audit_cost_section_says_met_or_missed_as_its_numbers_do():
-    """The audit's cost cell in words (REPORT.md and the guide's sentence): the audit's and
-    anomaly mode's paired ratios, and the target met exactly when the audit's median is within it."""
+    """The audit's cost cell in words (REPORT.md and the guide's sentence): per model family, the
+    audit's and anomaly mode's paired ratios, and the target met exactly when the audit's median
+    is within it; a skipped family is said to be, and its target is not measurable."""
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
+    from plusequals.bench.analyse import audit_cost_targets
+    from plusequals.bench.audit_cost import FAMILIES
     from plusequals.bench.render import audit_cost_claim, audit_cost_sentences
-    from plusequals.bench.results import AuditCost, UnetRow
+    from plusequals.bench.results import AuditCost, AuditFamily, Results, UnetRow
 
     def row(name: str, ratio: float) -> UnetRow:
         return UnetRow(name, 60.0 * ratio, 1.0, ratio, ratio - 0.05, ratio + 0.05, ratio - 0.05 <= 1 <= ratio + 0.05)
 
+    names = ("eager", "anomaly mode", "plusequals.audit", "a TorchDispatchMode that does nothing (forward)")
+    ratios = st.tuples(st.floats(1.0, 2.0), st.floats(1.0, 2.0), st.floats(1.0, 1.2))
+
     @settings(max_examples=examples(40), deadline=None)
-    @given(st.floats(1.0, 2.0), st.floats(1.0, 2.0), st.floats(1.0, 1.2))
-    def check(audited: float, anomaly: float, bare: float) -> None:
-        names = ("eager", "anomaly mode", "plusequals.audit", "a TorchDispatchMode that does nothing (forward)")
-        rows = [row(n, r) for n, r in zip(names, (1.0, anomaly, audited, bare))]
-        cell = AuditCost(what="resnet18", rows=rows, target=1.25, audit="clean")
+    @given(st.lists(st.one_of(st.none(), ratios), min_size=len(FAMILIES), max_size=len(FAMILIES)))
+    def check(measured: list) -> None:
+        families = [
+            AuditFamily(f.family, f.model, f.what, skipped="not installed")
+            if m is None
+            else AuditFamily(f.family, f.model, f.what, [row(n, r) for n, r in zip(names, (1.0, m[1], m[0], m[2]))])
+            for f, m in zip(FAMILIES, measured)
+        ]
+        cell = AuditCost(what="steps", target=1.25, families=families)
         said = " ".join(audit_cost_sentences(cell))
-        assert f"costs {fmt(audited)} [" in said and f"anomaly mode {fmt(anomaly)} [" in said
-        assert said.count("is met.") == (audited <= 1.25) and said.count("is missed.") == (audited > 1.25)
-        assert f"costs {fmt(bare)} [" in said  # where the time goes: the floor any dispatch mode sets
-        claim = audit_cost_claim({"config": {}, "environment": {}, "ceilings": {}, "audit_cost": cell.to_json()})
-        assert said in claim and f"{fmt(60.0 * audited)} ms through" in claim
+        data = {"config": {"device": "cpu", "quick": True}, "environment": {}, "ceilings": {}}
+        data["audit_cost"] = cell.to_json()
+        assert Results.load(data).audit_cost == cell
+        found = {t.target: t for t in audit_cost_targets(Results.load(data))}
+        assert len(found) == len(FAMILIES)
+        for f, m in zip(FAMILIES, measured):
+            t = found[f"plusequals.audit <= 1.25x an eager train step ({f.model}, CPU)"]
+            if m is None:
+                assert f"{f.model} ({f.family}): not measured (not installed)." in said
+                assert t.value is None and t.status == "not measurable here"
+                continue
+            audited, anomaly, bare = m
+            verdict = "met" if audited <= 1.25 else "missed"
+            assert f"{f.model} ({f.family}): the audit costs {fmt(audited)} [" in said
+            assert f"anomaly mode {fmt(anomaly)} [" in said and f"does nothing {fmt(bare)} [" in said
+            (own,) = [s for s in audit_cost_sentences(cell) if s.startswith(f"{f.model} ({f.family}): ")]
+            assert own.endswith(f": {verdict}.")
+            assert t.value == audited and t.status == verdict
+        claim = audit_cost_claim(data)
+        if all(m is None for m in measured):
+            assert "predates" in claim
+        else:
+            first = next(m for m in measured if m is not None)
+            assert said in claim and f"{fmt(60.0 * first[0])} ms through `audit()`" in claim
 
     check()
     assert "predates" in audit_cost_claim({"config": {}, "environment": {}, "ceilings": {}})
+
+
+def test_a_results_json_from_before_the_families_reads_as_resnet18_alone():
+    """A results.json whose audit cost timed resnet18 alone (its rows at the cell's top) reads as
+    that one family, and its target keeps its name."""
+    from plusequals.bench.analyse import audit_cost_targets
+    from plusequals.bench.results import Results
+
+    rows = [
+        {"name": n, "median_ms": 50.0, "iqr_ms": 1.0, "vs_eager": r, "vs_eager_q1": r, "vs_eager_q3": r,
+         "within_noise": r == 1.0}
+        for n, r in (("eager", 1.0), ("anomaly mode", 1.4), ("plusequals.audit", 1.2))
+    ]  # fmt: skip
+    data = {"config": {"device": "cpu", "quick": True}, "environment": {}, "ceilings": {}}
+    data["audit_cost"] = {"what": "resnet18", "threads": 1, "target": 1.25, "rows": rows, "audit": "clean"}
+    cell = Results.load(data).audit_cost
+    assert [(f.model, f.audit, len(f.rows)) for f in cell.families] == [("resnet18", "clean", 3)]
+    (t,) = [t for t in audit_cost_targets(Results.load(data))]
+    assert t.target == "plusequals.audit <= 1.25x an eager train step (resnet18, CPU)" and t.status == "met"

@@ -10,7 +10,8 @@ Measuring (each module imports only those above it):
   PyTorch eager, Rust, C++, CUDA graphs, torch.compile; their probes in rounds.
 * :mod:`.compilers`: the JAX and ONNX Runtime variants, and which of them writes in place.
 * :mod:`.unet`: a whole diffusers UNet step, eager, with Rust blocks and compiled.
-* :mod:`.audit_cost`: what ``plusequals.audit`` costs on a resnet18 train step, beside anomaly mode.
+* :mod:`.audit_cost`: what ``plusequals.audit`` costs on a train step of each model family (a CNN, a
+  ViT, a MobileNetV3, a transformer LM), beside anomaly mode.
 * :mod:`.measure`: the run over every cell, the host-cost cell, the UNet step and the audit's cost, writing
   results.json as it goes.
 

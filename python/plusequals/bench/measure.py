@@ -125,7 +125,7 @@ class Plan:
     inductor_cache: Optional[str] = None
     inductor_cache_warm: Optional[bool] = None
     compile_batches: tuple[int, ...] = BATCHES  # the batches whose cells time torch.compile
-    audit_cost: bool = True  # the audit's cost on a resnet18 train step (audit_cost.py)
+    audit_cost: bool = True  # the audit's cost on a train step of each model family (audit_cost.py)
     # --smoke: every section as in a real run, each timed with the fewest rounds it accepts and
     # 1 ms samples, no extra rounds: checks the whole report in a fraction of the time (the
     # tests' report); its numbers are not measurements to read, and REPORT.md says so.
@@ -529,6 +529,10 @@ def measure(p: Plan, outdir: Path, console: Console) -> ResultsFile:
         )
         rec.set("unet_step", step)
     if p.audit_cost:
-        console.print("the audit's cost on a resnet18 train step ...")
-        rec.set("audit_cost", audit_cost.measure(p.sample_s, ROUND_SEED + len(cells) + 2, smoke=p.smoke))
+        console.print("the audit's cost on a train step of each model family ...")
+
+        def say(model: str) -> None:
+            console.print(f"  {model} ...")  # a line each, no spinner: no drawing thread while it is timed
+
+        rec.set("audit_cost", audit_cost.measure(p.sample_s, ROUND_SEED + len(cells) + 2, smoke=p.smoke, say=say))
     return rec

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from .analyse import EXTRA_PAIRS, verdict_items
-from .results import AuditCost, CellTiming, HostCost, Paired, Results, UnetRow, fmt
+from .results import AuditCost, AuditFamily, CellTiming, HostCost, Paired, Results, UnetRow, fmt
 
 # Marks a paired ratio whose interquartile interval contains 1.
 NOISE_MARK = "≈"
@@ -399,30 +399,48 @@ def _unet(res: Results) -> list[str]:
 
 AUDIT_COST = "The audit's cost on a training step"
 AUDITED, ANOMALY, BARE = "plusequals.audit", "anomaly mode", "a TorchDispatchMode that does nothing (forward)"
+AUDIT_COST_TABLE = "Each family's train step"  # the caption of the section's table
 
 
 def _paired(r: Optional[UnetRow]) -> str:
     return "-" if r is None else ratio(r.vs_eager, r.vs_eager_q1, r.vs_eager_q3, r.within_noise)
 
 
-def audit_cost_sentences(ac: AuditCost) -> list[str]:
-    """What the cell says: the audit's and anomaly mode's paired ratios to eager, the target met
-    or missed, and where the time goes (the floor any dispatch mode sets)."""
-    audited, anomaly, bare = ac.row(AUDITED), ac.row(ANOMALY), ac.row(BARE)
+def audit_family_sentence(f: AuditFamily, target: float) -> str:
+    """One family's verdict: the audit's and anomaly mode's paired ratios to eager, and the
+    target met or missed (or why the family was not measured)."""
+    audited = f.row(AUDITED)
     if audited is None:
-        return []
-    met = audited.vs_eager <= ac.target
-    said = [
-        f"`plusequals.audit(model, x, backward=True)` costs {_paired(audited)} times an eager step, paired, and "
-        f"anomaly mode {_paired(anomaly)}: the target (the audit within {fmt(ac.target)} times eager) is "
-        + ("met." if met else "missed.")
-    ]
-    if bare is not None:
+        return f"{f.model} ({f.family}): not measured ({f.skipped or 'no rows'})."
+    floor = f.row(BARE)
+    beside = "" if floor is None else f", a dispatch mode that does nothing {_paired(floor)}"
+    verdict = "met" if audited.vs_eager <= target else "missed"
+    return (
+        f"{f.model} ({f.family}): the audit costs {_paired(audited)} times an eager step, anomaly mode "
+        f"{_paired(f.row(ANOMALY))}{beside}: {verdict}."
+    )
+
+
+def audit_cost_sentences(ac: AuditCost) -> list[str]:
+    """What the cell says: per family, the audit's and anomaly mode's paired ratios to eager and
+    the target (the audit within it) met or missed; then where the time goes."""
+    measured = [f for f in ac.families if f.row(AUDITED) is not None]
+    said = []
+    if measured:
+        met = [f.model for f in measured if f.row(AUDITED).vs_eager <= ac.target]
+        missed = [f.model for f in measured if f.model not in met]
+        verdicts = [f"met on {', '.join(met)}" if met else "", f"missed on {', '.join(missed)}" if missed else ""]
         said.append(
-            f"Where the time goes: a TorchDispatchMode that does nothing, over the forward alone, costs "
-            f"{_paired(bare)} (torch's Python dispatch of each aten op, the floor under any such mode); the rest is "
-            "the audit's own Python: a hook pair per module call, each op's outputs noted for what autograd saves, "
-            "and each write's checks. In backward only the Python code that backward runs is dispatched."
+            f"`plusequals.audit(model, x, backward=True)` against its target (within {fmt(ac.target)} times an "
+            f"eager train step, paired): {'; '.join(v for v in verdicts if v)}."
+        )
+    said += [audit_family_sentence(f, ac.target) for f in ac.families]
+    if any(f.row(BARE) is not None for f in measured):
+        said.append(
+            "Where the time goes: a TorchDispatchMode that does nothing, over the forward alone, is the floor under "
+            "any such mode (torch's Python dispatch of each aten op); the rest is the audit's own Python: a hook pair "
+            "per module call, each op's outputs noted for what autograd saves, and each write's checks. In backward "
+            "only the Python code that backward runs is dispatched."
         )
     return said
 
@@ -434,11 +452,15 @@ def _audit_cost(res: Results) -> list[str]:
     md = ["", f"## {AUDIT_COST}", ""]
     if ac.skipped:
         return md + [f"Skipped: {ac.skipped}"]
-    rows = [[r.name, fmt(r.median_ms), fmt(r.iqr_ms), unet_ratio_cell(r)] for r in ac.rows]
-    md += [ac.what, "", table(["step", "median ms", "IQR ms", "vs eager (paired)"], rows), ""]
-    md += [" ".join(audit_cost_sentences(ac))]
-    if ac.audit is not None:
-        md += ["", f"What the audit found in the step: {ac.audit}."]
+    md += [ac.what, ""]
+    rows = [[f.model, r.name, fmt(r.median_ms), fmt(r.iqr_ms), unet_ratio_cell(r)] for f in ac.families for r in f.rows]
+    md += [f"{AUDIT_COST_TABLE} (median over the rounds; the ratios paired within rounds):", ""]
+    md += [table(["model", "step", "median ms", "IQR ms", "vs eager (paired)"], rows), ""]
+    md += ["The models: " + "; ".join(f"{f.model}, {f.family}: {f.what}" for f in ac.families) + "."]
+    md += ["", " ".join(audit_cost_sentences(ac))]
+    found = [f"{f.model}: {f.audit}" for f in ac.families if f.audit is not None]
+    if found:
+        md += ["", f"What the audit found in each step: {'; '.join(found)}."]
     return md
 
 
@@ -446,16 +468,19 @@ def audit_cost_claim(data: dict) -> str:
     """The guide's sentence on the audit's cost (docs/guide/audit.md, checked against the
     committed results.json by tests/test_readme.py)."""
     ac = Results.load(data).audit_cost
-    if ac is None or ac.skipped or ac.row(AUDITED) is None:
+    measured = [] if ac is None or ac.skipped else [f for f in ac.families if f.row(AUDITED) is not None]
+    if not measured:
         return (
-            "The committed CPU report predates the audit's cost cell (a resnet18 train step, eager beside anomaly "
-            "mode and the audit): `python -m plusequals report` measures it."
+            "The committed CPU report predates the audit's cost cell (a train step per model family, eager beside "
+            "anomaly mode and the audit): `python -m plusequals report` measures it."
         )
-    eager = ac.row("eager")
-    step = f"{fmt(eager.median_ms)} ms eager, " if eager is not None else ""
-    return (
-        f"In the committed CPU report, a resnet18 train step (batch 2, 64 x 64, one thread) takes {step}"
-        f"{fmt(ac.row(AUDITED).median_ms)} ms through `audit()`. " + " ".join(audit_cost_sentences(ac))
+    steps = "; ".join(
+        f"{f.model} {fmt(eager.median_ms)} ms eager, {fmt(f.row(AUDITED).median_ms)} ms through `audit()`"
+        for f in measured
+        if (eager := f.row("eager")) is not None
+    )
+    return f"In the committed CPU report (a train step, batch 2, one thread): {steps}. " + " ".join(
+        audit_cost_sentences(ac)
     )
 
 

@@ -213,24 +213,54 @@ class UnetStep(Record):
 
 
 @dataclass(frozen=True)
-class AuditCost(Record):
-    """What ``plusequals.audit`` costs on a resnet18 train step (written by :mod:`.audit_cost`):
-    each probe's time and paired ratio to eager, its target, what the audit found."""
+class AuditFamily(Record):
+    """One model family's train step in the audit's cost cell (written by :mod:`.audit_cost`):
+    each probe's time and paired ratio to eager, what the audit found, or why it was skipped."""
 
+    family: str  # the kind of model ("a CNN with in-place activations")
+    model: str  # the model's short name, as the targets name it ("resnet18")
     what: str = ""
-    threads: int = 1
-    target: float = 1.25
     rows: list[UnetRow] = field(default_factory=list)
     audit: Optional[str] = None  # the audit's summary of the step, and its moves
     rounds: Optional[dict[str, Any]] = None  # as ``Rounds.record``
     skipped: Optional[str] = None
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> AuditCost:
+    def from_json(cls, d: Mapping[str, Any]) -> AuditFamily:
         return replace(super().from_json(d), rows=[UnetRow.from_json(r) for r in d.get("rows", [])])
 
     def row(self, name: str) -> Optional[UnetRow]:
         return next((r for r in self.rows if r.name == name), None)
+
+
+# What a results.json written before the cell had families timed: resnet18 alone, its rows the cell's.
+LEGACY_FAMILY = ("a CNN with in-place activations", "resnet18")
+
+
+@dataclass(frozen=True)
+class AuditCost(Record):
+    """What ``plusequals.audit`` costs on a train step of each model family (written by
+    :mod:`.audit_cost`): how the steps are timed, the target, and one :class:`AuditFamily` each."""
+
+    what: str = ""
+    threads: int = 1
+    target: float = 1.25
+    families: list[AuditFamily] = field(default_factory=list)
+    skipped: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> AuditCost:
+        if "families" in d:
+            families = [AuditFamily.from_json(f) for f in d["families"]]
+        elif d.get("rows"):  # one resnet18 step, its rows and rounds at the top
+            family, model = LEGACY_FAMILY
+            families = [AuditFamily.from_json({**d, "family": family, "model": model})]
+        else:
+            families = []
+        return replace(super().from_json(d), families=families)
+
+    def family(self, model: str) -> Optional[AuditFamily]:
+        return next((f for f in self.families if f.model == model), None)
 
 
 @dataclass(frozen=True)

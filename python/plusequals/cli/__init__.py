@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     report.add_argument("--out", default="report", help="output directory (default: ./report)")
     report.add_argument("--no-unet", action="store_true", help="skip the full-UNet-step comparison")
-    report.add_argument("--no-audit-cost", action="store_true", help="skip the audit's cost on a resnet18 train step")
+    report.add_argument(
+        "--no-audit-cost", action="store_true", help="skip the audit's cost on each model family's train step"
+    )
     report.add_argument(
         "--no-compile", action="store_true", help="skip torch.compile (its compile time dominates a GPU run)"
     )
