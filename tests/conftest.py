@@ -158,6 +158,26 @@ def swapping():
 
 
 @pytest.fixture(scope="session")
+def diffusers():
+    """diffusers, with the submodules the tests name loaded (its submodules are lazy); the test
+    skipped without it."""
+    module = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
+    import diffusers.models.attention  # noqa: F401
+    import diffusers.models.attention_processor  # noqa: F401
+
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_unet(diffusers):
+    """``tiny_unet(seed=0)``: a fresh deep copy of the project's tiny UNet, its transformer blocks
+    randomised, built once per seed in the session (support.unet)."""
+    from support.unet import TinyUnets
+
+    return TinyUnets()
+
+
+@pytest.fixture(scope="session")
 def quick_report_run(tmp_path_factory):
     """One `python -m plusequals report --quick --device cpu --json` for the whole session
     (test_report.py, test_summary.py, test_inductor.py): its directory, stdout (the summary's

@@ -14,7 +14,6 @@ import inspect
 import operator
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from plusequals.auditing.frames import short_path
 from plusequals.cases import project as cases
 from plusequals.model.blocks import STRATEGIES
 from plusequals.model.bugs import VERSION_COUNTER
+from support.docs import guide_block
 
 
 def line_of(fn) -> str:
@@ -372,11 +372,6 @@ def test_the_seeds_iadd_lines_are_named():
     assert only(training, "E0502").where == lines[2]  # norm3 saved x: the embedding reaches x at attn2
 
 
-@pytest.fixture(scope="module")
-def diffusers():
-    return pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
-
-
 @pytest.mark.parametrize("training", [False, True])
 def test_the_unpatched_diffusers_unet_is_clean(diffusers, training):
     report = cases.unet_audit(patched=False, training=training)
@@ -503,19 +498,10 @@ def test_another_threads_module_calls_are_not_the_audited_ones():
 
 
 # ------------------------------------------------------------------- the README and the CLI
-README = Path(__file__).resolve().parents[1] / "docs/guide/audit.md"  # the audit's page of the guide
-
-
-def readme_block(name: str) -> str:
-    text = open(README).read()
-    start, end = f"<!-- {name} -->\n", f"\n<!-- /{name} -->"
-    return text[text.index(start) + len(start) : text.index(end)]
-
-
 def test_the_readmes_strategy_table_is_what_the_audit_finds_now():
     from plusequals.cli.audit import strategies_markdown
 
-    assert readme_block("audit-strategies") == strategies_markdown()
+    assert guide_block("audit-strategies") == strategies_markdown()
 
 
 def test_the_readmes_real_model_table_is_what_the_audit_finds_now(diffusers):
@@ -526,7 +512,7 @@ def test_the_readmes_real_model_table_is_what_the_audit_finds_now(diffusers):
     for m, r in reports:
         assert set(r.codes) == m.expected, (m.name, r.findings[:3])
         assert r.ops > 500 and r.modules > 100  # the forward's ops, and those of Python code in backward
-    assert readme_block("audit-models") == models_markdown(reports)
+    assert guide_block("audit-models") == models_markdown(reports)
 
 
 def test_torch_export_reports_only_whole_graph_inputs():

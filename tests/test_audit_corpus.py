@@ -9,14 +9,7 @@ from __future__ import annotations
 import pytest
 
 from plusequals.cases import corpus
-
-
-def readme_block(name: str) -> str:
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[1] / "docs/guide/audit.md").read_text()
-    start, end = f"<!-- {name} -->\n", f"\n<!-- /{name} -->"
-    return text[text.index(start) + len(start) : text.index(end)]
+from support.docs import guide_block
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +69,7 @@ def test_two_live_names_for_one_tensor_in_one_function_is_E0499_but_a_view_is_a_
 
 
 def test_the_readmes_corpus_table_is_current(results):
-    assert readme_block("audit-corpus") == corpus.markdown(results + corpus.results(corpus.MISSED))
+    assert guide_block("audit-corpus") == corpus.markdown(results + corpus.results(corpus.MISSED))
 
 
 def test_two_names_are_caught_once_a_module_boundary_or_autograd_is_between_them():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from plusequals.cases import sweep
-from test_audit_corpus import readme_block
+from support.docs import guide_block
 
 pytest.importorskip("torchvision", reason="the sweep needs torchvision (the test extra)")
 
@@ -34,7 +34,7 @@ def check(family: str, name: str) -> None:
     """The model is clean and its README row current; three CNNs' in-place activations are moves."""
     row = sweep.run(entry(family, name))
     assert_clean(row)
-    assert sweep.markdown([row]).splitlines()[-1] in readme_block("audit-sweep").splitlines()
+    assert sweep.markdown([row]).splitlines()[-1] in guide_block("audit-sweep").splitlines()
     if name in sweep.MOVES:  # each in-place activation is a move, not an E0596
         assert sum(m.count for m in row.report.moves) == sweep.MOVES[name]
         assert all(m.writer and m.writer.endswith("(inplace=True)") for m in row.report.moves)
@@ -64,7 +64,7 @@ def test_the_readme_table_lists_every_model_of_the_sweep_once():
     """The table's rows (of the installed families) are the sweep's models, in its order: at least
     80 torchvision models and 10 transformers architectures; each slow one is a model of it."""
     installed = sweep.families()
-    rows = [tuple(cell.strip() for cell in line.split("|")[1:3]) for line in readme_block("audit-sweep").splitlines()]
+    rows = [tuple(cell.strip() for cell in line.split("|")[1:3]) for line in guide_block("audit-sweep").splitlines()]
     listed = [row for row in rows[2:] if row[0] in installed]
     models = [(f, e.name) for f in installed for e in sweep.entries(f)]
     assert listed == models and set(sweep.SLOW) <= set(rows)

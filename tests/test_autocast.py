@@ -44,15 +44,11 @@ def test_a_dtype_autocast_did_not_produce_is_still_refused():
         rust(x.half(), c)  # autocast makes bf16 here, not fp16
 
 
-def test_swapped_unet_runs_under_autocast_like_eager():
-    diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
-    import diffusers.models.attention  # noqa: F401,F811  (loads diffusers' lazy submodule)
-
+def test_swapped_unet_runs_under_autocast_like_eager(tiny_unet):
     from plusequals import swap_transformer_blocks
-    from test_diffusers import make_inputs as unet_inputs
-    from test_diffusers import make_unet
+    from support.unet import unet_inputs
 
-    unet = make_unet(diffusers)
+    unet = tiny_unet()
     sample, t, ehs = unet_inputs()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         expected = unet(sample, t, ehs).sample

@@ -14,6 +14,7 @@ from conftest import inductor_cache_dir
 from plusequals.cases import compiled as cb
 from plusequals.model import bugs
 from plusequals.model.blocks import STRATEGIES
+from support.docs import guide_block
 
 README = Path(__file__).resolve().parents[1] / "docs/guide/bugs.md"  # the bugs' page of the guide
 
@@ -69,13 +70,8 @@ def test_the_commit_fails_while_compiling_not_in_backward():
     assert cb.COMPILED["iadd"].caller_mutated and cb.COMPILED["iadd_clone"].raises == cb.NEVER
 
 
-def readme_block(name: str) -> str:
-    text = README.read_text()
-    return text[text.index(f"<!-- {name} -->\n") + len(f"<!-- {name} -->\n") : text.index(f"<!-- /{name} -->")].strip()
-
-
 def test_the_readme_table_is_generated_from_the_compiled_table():
-    assert readme_block("compiled-bugs") == cb.markdown()
+    assert guide_block("compiled-bugs", "bugs.md").strip() == cb.markdown()
 
 
 def test_the_readme_bug_table_has_a_torch_compile_column_from_the_table():

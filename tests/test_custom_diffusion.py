@@ -11,7 +11,6 @@ What the Rust block cannot take is refused with an ``UnsupportedBlockError`` nam
 """
 
 import copy
-import functools
 import types
 
 import pytest
@@ -22,10 +21,9 @@ from torch import nn
 
 from conftest import examples, randomize_, rel_err
 from plusequals import CppBlock, RustBlock, UnsupportedBlockError, swap_transformer_blocks
-from plusequals.cases.project import tiny_unet_config
 from plusequals.twin.swap import RustTransformerBlock
 
-diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
+pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
 from diffusers.models.attention import BasicTransformerBlock  # noqa: E402
 from diffusers.models.attention_processor import (  # noqa: E402
     AttnProcessor2_0,
@@ -149,20 +147,6 @@ def test_unused_layers_and_flags_are_followed():
 # ------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
-def _unet():
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        unet = diffusers.UNet2DConditionModel(**tiny_unet_config()).eval()
-    for i, block in enumerate(m for m in unet.modules() if isinstance(m, BasicTransformerBlock)):
-        randomize_(block, seed=i)
-    return unet
-
-
-def make_unet():
-    return copy.deepcopy(_unet())
-
-
 def custom_diffusion_processors(unet, cls=CustomDiffusionAttnProcessor2_0, train_q_out=True, seed=0):
     """One processor per attention, as diffusers' tests make them (create_custom_diffusion_layers):
     the cross-attentions train k/v (and q/out), the self-attentions nothing."""
@@ -194,8 +178,8 @@ def same(a, b):
 
 
 @pytest.mark.parametrize("after_the_swap", [False, True])
-def test_swapped_unet_with_custom_diffusion_is_bitwise(after_the_swap):
-    unet, reference = make_unet(), make_unet()
+def test_swapped_unet_with_custom_diffusion_is_bitwise(tiny_unet, after_the_swap):
+    unet, reference = tiny_unet(), tiny_unet()
     if after_the_swap:
         swap_transformer_blocks(unet)
     for u in (unet, reference):
@@ -214,13 +198,13 @@ def test_swapped_unet_with_custom_diffusion_is_bitwise(after_the_swap):
     assert all(same(a, b) for a, b in zip(unet_outputs(unet), unet_outputs(reference)))
 
 
-def test_load_attn_procs_round_trip_is_within_the_bound(tmp_path):
+def test_load_attn_procs_round_trip_is_within_the_bound(tiny_unet, tmp_path):
     """save_attn_procs then load_attn_procs (which makes diffusers' CustomDiffusionAttnProcessor, the
     baddbmm one): the swapped UNet within 1e-5 of the library's, forward and backward."""
-    source = make_unet()
+    source = tiny_unet()
     source.set_attn_processor(custom_diffusion_processors(source, train_q_out=False, seed=7))
     source.save_attn_procs(tmp_path, weight_name="cd.bin", safe_serialization=False)
-    unet, reference = make_unet(), make_unet()
+    unet, reference = tiny_unet(), tiny_unet()
     swap_transformer_blocks(unet)
     stub = types.SimpleNamespace(components={}, hf_device_map=None)  # diffusers sets them only for a pipeline
     for u in (unet, reference):
@@ -274,8 +258,8 @@ def run(unet):
 
 @settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])  # two UNets an example
 @given(st.lists(OPS, min_size=1, max_size=4))
-def test_changes_after_the_swap_are_followed(ops):
-    unet, reference = make_unet(), make_unet()
+def test_changes_after_the_swap_are_followed(tiny_unet, ops):
+    unet, reference = tiny_unet(), tiny_unet()
     swap_transformer_blocks(unet)
     for op in ops:
         apply(unet, op)

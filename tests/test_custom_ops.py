@@ -111,13 +111,11 @@ def test_fake_tensor_shape_propagation():
 # ============================================================================ torch.compile
 
 
-def swapped_unet(owned=False):
-    diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
+def swapped_unet(tiny_unet, owned=False):
     from plusequals import swap_transformer_blocks
-    from test_diffusers import make_inputs as unet_inputs
-    from test_diffusers import make_unet, run
+    from support.unet import run, unet_inputs
 
-    unet = make_unet(diffusers)
+    unet = tiny_unet()
     inputs = unet_inputs()
     with torch.no_grad():
         eager_torch = run(unet, inputs)
@@ -125,8 +123,8 @@ def swapped_unet(owned=False):
     return unet, inputs, eager_torch
 
 
-def test_swapped_unet_compiles_fullgraph_with_zero_graph_breaks():
-    unet, inputs, eager_torch = swapped_unet()
+def test_swapped_unet_compiles_fullgraph_with_zero_graph_breaks(tiny_unet):
+    unet, inputs, eager_torch = swapped_unet(tiny_unet)
     with torch.no_grad():
         eager = unet(*inputs).sample
         explained = torch._dynamo.explain(unet)(*inputs)
@@ -140,9 +138,9 @@ def test_swapped_unet_compiles_fullgraph_with_zero_graph_breaks():
         assert torch.equal(compiled(*inputs).sample, eager)
 
 
-def test_swapped_unet_with_forward_owned_compiles():
+def test_swapped_unet_with_forward_owned_compiles(tiny_unet):
     """owned=True: the in-place op (its mutation declared) inside the compiled UNet."""
-    unet, inputs, eager_torch = swapped_unet(owned=True)
+    unet, inputs, eager_torch = swapped_unet(tiny_unet, owned=True)
     compiled = torch.compile(unet, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         assert torch.equal(compiled(*inputs).sample, eager_torch)
@@ -174,7 +172,7 @@ def intra_op_threads(n: int):
         torch.set_num_threads(before)
 
 
-def test_compiled_unet_training_matches_eager():
+def test_compiled_unet_training_matches_eager(tiny_unet):
     """Training through the compiled swapped UNet, at one intra-op thread, two, and the
     default: the output and every parameter's gradient are bitwise the eager ones.
 
@@ -190,7 +188,7 @@ def test_compiled_unet_training_matches_eager():
     but eager autograd adds them one by one while each opaque ``block_backward`` returns its
     block's to_k + to_v, which the compiled graph then adds: ((k1 + v1) + k2) + v2 ... against
     (k1 + v1) + (k2 + v2) ... The plain diffusers UNet compiled matches bitwise there too."""
-    unet, (sample, t, context), _ = swapped_unet()
+    unet, (sample, t, context), _ = swapped_unet(tiny_unet)
     compiled = torch.compile(unet, fullgraph=True, backend="aot_eager")
 
     def grads(model):
@@ -278,8 +276,8 @@ def test_export_rust_block(strict):
     assert rust._weights is not None and not any(isinstance(w, FakeTensor) for w in rust._weights)
 
 
-def test_export_swapped_unet():
-    unet, inputs, eager_torch = swapped_unet()
+def test_export_swapped_unet(tiny_unet):
+    unet, inputs, eager_torch = swapped_unet(tiny_unet)
     exported = torch.export.export(unet, inputs)
     assert ops_in(exported.graph_module).count("plusequals.block_forward.default") == 4
     with torch.no_grad():

@@ -23,52 +23,15 @@ from torch import nn
 import plusequals
 from conftest import cuda, randomize_, rel_err
 from plusequals import UnsupportedBlockError, swap_transformer_blocks
-from plusequals.cases.project import tiny_unet_config
 from plusequals.twin.swap import RustTransformerBlock, SwapHandle, unswap_transformer_blocks
+from support.unet import N_BLOCKS, REPLACED, run, unet_inputs
 
 TOL = 1e-5
-
-# SD v1's UNet shrunk: two levels (one with cross-attention), one resnet per level, 8 heads
-# (diffusers' attention_head_dim is the head count), GroupNorm(32), the mid block's transformer
-# included. Four BasicTransformerBlocks: dims 32 (x3, head dim 4) and 64 (mid, head dim 8).
-# The audit's harnesses use the same config.
-TINY = tiny_unet_config()
-N_BLOCKS = 4
-REPLACED = "up_blocks.1.attentions.1.transformer_blocks.0"  # where the refusal tests plant a bad block
-
-
-@pytest.fixture(scope="module")
-def diffusers():
-    module = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
-    import diffusers.models.attention  # noqa: F401  (diffusers' submodules are lazy)
-    import diffusers.models.attention_processor  # noqa: F401
-
-    return module
 
 
 def basic_blocks(model, diffusers):
     cls = diffusers.models.attention.BasicTransformerBlock
     return [(name, m) for name, m in model.named_modules() if isinstance(m, cls)]
-
-
-def make_unet(diffusers, seed=0):
-    torch.manual_seed(seed)
-    unet = diffusers.UNet2DConditionModel(**TINY).eval()
-    for i, (_, block) in enumerate(basic_blocks(unet, diffusers)):
-        randomize_(block, seed=100 * seed + i)  # LayerNorm affine and every projection non-trivial
-    return unet
-
-
-def make_inputs(seed=1, batch=2, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    sample = torch.randn(batch, 4, 16, 16, generator=g).to(dtype)
-    context = torch.randn(batch, 77, 32, generator=g).to(dtype)
-    return sample, torch.tensor([10, 700]), context
-
-
-def run(unet, inputs, **kw):
-    sample, t, context = inputs
-    return unet(sample, t, context, **kw).sample
 
 
 def modules_at(model, paths):
@@ -81,9 +44,9 @@ def modules_at(model, paths):
 
 
 @pytest.mark.parametrize("owned", [False, True], ids=["forward", "forward_owned"])
-def test_swapped_unet_matches_and_undo_restores(diffusers, owned):
-    unet = make_unet(diffusers)
-    inputs = make_inputs()
+def test_swapped_unet_matches_and_undo_restores(diffusers, tiny_unet, owned):
+    unet = tiny_unet()
+    inputs = unet_inputs()
     originals = basic_blocks(unet, diffusers)
     assert len(originals) == N_BLOCKS
     keys = list(unet.state_dict())
@@ -114,29 +77,29 @@ def test_swapped_unet_matches_and_undo_restores(diffusers, owned):
         assert all(m is block for m, (_, block) in zip(modules_at(unet, handle.paths), originals))
 
 
-def test_the_blocks_matter(diffusers):
+def test_the_blocks_matter(diffusers, tiny_unet):
     """Guards the parity bar against vacuity: small errors in one block show at the UNet's output."""
-    inputs = make_inputs()
+    inputs = unet_inputs()
     with torch.no_grad():
-        expected = run(make_unet(diffusers), inputs)
+        expected = run(tiny_unet(), inputs)
         for name, factor, at_least in (("attn1.to_q.weight", 1.0001, 2 * TOL), ("ff.net.2.weight", 0.5, 1e3 * TOL)):
-            unet = make_unet(diffusers)
+            unet = tiny_unet()
             basic_blocks(unet, diffusers)[0][1].get_parameter(name).mul_(factor)
             assert rel_err(run(unet, inputs), expected) > at_least, name
 
 
-def test_context_manager_undoes(diffusers):
-    unet = make_unet(diffusers)
+def test_context_manager_undoes(diffusers, tiny_unet):
+    unet = tiny_unet()
     originals = [m for _, m in basic_blocks(unet, diffusers)]
     with swap_transformer_blocks(unet) as handle:
         assert len(handle) == N_BLOCKS and basic_blocks(unet, diffusers) == []
     assert [m for _, m in basic_blocks(unet, diffusers)] == originals
 
 
-def test_gradients_match(diffusers):
+def test_gradients_match(diffusers, tiny_unet):
     """loss.backward() through the swapped UNet: same gradient w.r.t. the encoder states and
     the blocks' (shared) weights, with and without diffusers' gradient checkpointing."""
-    inputs = make_inputs()
+    inputs = unet_inputs()
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(2, 4, 16, 16, generator=g)
 
@@ -154,7 +117,7 @@ def test_gradients_match(diffusers):
 
     bt = diffusers.models.attention.BasicTransformerBlock
     for checkpointing in (False, True):
-        unet = make_unet(diffusers)
+        unet = tiny_unet()
         expected_ctx, expected_w = grads(unet, checkpointing)
         swap_transformer_blocks(unet)
         got_ctx, got_w = grads(unet, checkpointing)
@@ -268,9 +231,9 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("kind", list(REFUSED))
-def test_unsupported_block_is_refused_and_nothing_swapped(diffusers, kind):
+def test_unsupported_block_is_refused_and_nothing_swapped(diffusers, tiny_unet, kind):
     plant, reason = REFUSED[kind]
-    unet = make_unet(diffusers)
+    unet = tiny_unet()
     plant(diffusers, unet)
     before = list(unet.named_modules())
     with pytest.raises(UnsupportedBlockError) as info:
@@ -284,14 +247,14 @@ def test_unsupported_block_is_refused_and_nothing_swapped(diffusers, kind):
     assert not any(isinstance(m, RustTransformerBlock) for m in unet.modules())
 
 
-def test_exact_gelu_feed_forward_is_swapped(diffusers):
+def test_exact_gelu_feed_forward_is_swapped(diffusers, tiny_unet):
     """activation_fn="gelu" (a linear layer and the exact GELU) is the Rust block's non-gated
     feed-forward: swapped, and equal to diffusers' block, like RustBlock.from_torch on a
     CompVis block with gated_ff=False (the same definition: plusequals.twin.faithful)."""
-    unet = make_unet(diffusers)
+    unet = tiny_unet()
     planted = plant_block(diffusers, unet, activation_fn="gelu")
     randomize_(planted.eval(), seed=9)
-    inputs = make_inputs()
+    inputs = unet_inputs()
     with torch.no_grad():
         expected = run(unet, inputs)
         handle = swap_transformer_blocks(unet)
@@ -301,18 +264,18 @@ def test_exact_gelu_feed_forward_is_swapped(diffusers):
         handle.undo()
 
 
-def test_no_block_to_swap(diffusers):
+def test_no_block_to_swap(diffusers, tiny_unet):
     with pytest.raises(ValueError, match="no diffusers BasicTransformerBlock"):
         swap_transformer_blocks(nn.Sequential(nn.Linear(2, 2)))
-    unet = make_unet(diffusers)
+    unet = tiny_unet()
     swap_transformer_blocks(unet)
     with pytest.raises(ValueError, match="4 are already swapped"):
         swap_transformer_blocks(unet)
 
 
-def test_calls_it_cannot_honour_raise(diffusers):
-    unet = make_unet(diffusers)
-    inputs = make_inputs()
+def test_calls_it_cannot_honour_raise(diffusers, tiny_unet):
+    unet = tiny_unet()
+    inputs = unet_inputs()
     with torch.no_grad():
         expected = run(unet, inputs)
         swap_transformer_blocks(unet)
@@ -323,7 +286,7 @@ def test_calls_it_cannot_honour_raise(diffusers):
         assert rel_err(run(unet, inputs, cross_attention_kwargs={"scale": 0.5}), expected) <= TOL
 
         block = unet.get_submodule(REPLACED)
-        x, context = torch.randn(2, 16, 32), inputs[2]
+        x, context = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(7)), inputs[2]
         with pytest.raises(
             UnsupportedBlockError, match="encoder_attention_mask is a boolean mask, which attn2.s AttnProcessor cannot"
         ):
@@ -363,11 +326,11 @@ def test_calls_it_cannot_honour_raise(diffusers):
 # --------------------------------------------------------------------------------------------
 
 
-def test_weights_stay_shared_after_swap(diffusers):
-    unet = make_unet(diffusers)
+def test_weights_stay_shared_after_swap(tiny_unet):
+    unet = tiny_unet()
     reference = copy.deepcopy(unet)
-    other = make_unet(diffusers, seed=3)
-    inputs = make_inputs()
+    other = tiny_unet(3)
+    inputs = unet_inputs()
     handle = swap_transformer_blocks(unet)
     with torch.no_grad():
         # in-place weight update (optimizer step, load_state_dict): seen by the Rust blocks
@@ -375,9 +338,9 @@ def test_weights_stay_shared_after_swap(diffusers):
         assert rel_err(run(unet, inputs), run(other, inputs)) <= TOL
         # .double() replaces every parameter's data: the Rust blocks are rebuilt on it
         unet.double(), other.double()
-        got = run(unet, make_inputs(dtype=torch.float64))
+        got = run(unet, unet_inputs(dtype=torch.float64))
         assert got.dtype == torch.float64
-        assert rel_err(got, run(other, make_inputs(dtype=torch.float64))) <= 1e-12
+        assert rel_err(got, run(other, unet_inputs(dtype=torch.float64))) <= 1e-12
         unet.float(), other.float()
         # a deep copy of a swapped UNet runs on its own copy of the weights
         twin = copy.deepcopy(unet)
@@ -392,11 +355,11 @@ def test_weights_stay_shared_after_swap(diffusers):
 
 @cuda
 @pytest.mark.parametrize("owned", [False, True], ids=["forward", "forward_owned"])
-def test_cuda_fp16_swap_then_move(diffusers, owned):
+def test_cuda_fp16_swap_then_move(diffusers, tiny_unet, owned):
     """Swapped on the CPU, then moved: the blocks rebuild their Rust twin on the CUDA fp16 weights.
     fp16 bar as tests/test_parity.py (2e-3); both sides call the same kernels, so it is loose."""
-    unet = make_unet(diffusers)
-    inputs = [t.to("cuda") for t in make_inputs()]
+    unet = tiny_unet()
+    inputs = [t.to("cuda") for t in unet_inputs()]
     inputs = [inputs[0].half(), inputs[1], inputs[2].half()]
     reference = copy.deepcopy(unet).to("cuda", torch.float16)
     swap_transformer_blocks(unet, owned=owned)

@@ -26,7 +26,7 @@ pytest.importorskip("peft", reason="needs the optional extra plusequals[diffuser
 pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
 from peft import LoraConfig  # noqa: E402
 
-from test_lora import (  # noqa: E402
+from support.lora import (  # noqa: E402
     OPS,
     SLOW,
     adapter_configs,
@@ -36,7 +36,6 @@ from test_lora import (  # noqa: E402
     inputs,
     layers,
     lora_block,
-    tiny_unet,
 )
 
 
@@ -241,7 +240,7 @@ def unet_dora(unet, name, seed, **config):
         unet.add_adapter(LoraConfig(init_lora_weights=False, use_dora=True, **config), adapter_name=name)
 
 
-def test_swapped_unet_with_dora_forward_backward_and_diffusers_api():
+def test_swapped_unet_with_dora_forward_backward_and_diffusers_api(tiny_unet):
     """Adapter "a" added before the swap, "b" after it: both through ``unet.add_adapter``."""
     g = torch.Generator().manual_seed(17)
     sample, t = torch.randn(2, 4, 16, 16, generator=g), torch.tensor([10, 700])

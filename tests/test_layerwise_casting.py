@@ -27,17 +27,16 @@ pytest.importorskip("diffusers", reason="needs the optional extra plusequals[dif
 from diffusers.hooks.layerwise_casting import apply_layerwise_casting, apply_layerwise_casting_hook  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
-from test_lora import DIM, add_adapter, call, inputs, layers, lora_block  # noqa: E402
-from test_sd_features import make_unet  # noqa: E402
+from support.lora import DIM, add_adapter, call, inputs, layers, lora_block  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
 
-def unets(dtype, lora=None):
+def unets(tiny_unet, dtype, lora=None):
     """The swapped UNet and the library's, in ``dtype``, with the same LoRA adapter when ``lora``."""
     pair = []
     for swapped in (True, False):
-        unet = make_unet()
+        unet = tiny_unet()
         if lora:
             with torch.random.fork_rng():
                 torch.manual_seed(18)
@@ -109,8 +108,8 @@ def assert_as_the_library(got, expected, threads):
         (torch.bfloat16, {"r": 4, "lora_alpha": 4, "target_modules": ["to_q", "to_v", "to_out.0", "proj"]}),
     ],
 )
-def test_layerwise_casting_is_bitwise_the_library_forward_and_backward(compute, lora, threads):
-    unet, reference = unets(compute, lora)
+def test_layerwise_casting_is_bitwise_the_library_forward_and_backward(tiny_unet, compute, lora, threads):
+    unet, reference = unets(tiny_unet, compute, lora)
     for u in (unet, reference):
         u.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=compute)
     blocks = [m for m in unet.modules() if isinstance(m, RustTransformerBlock)]
@@ -123,15 +122,15 @@ def test_layerwise_casting_is_bitwise_the_library_forward_and_backward(compute, 
     assert stored == {FP8}, "the weights are stored in fp8 again after the call"
     if lora and threads == 2:
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in unet.named_parameters() if "lora_" in n)
-    uncast = step(unets(compute, lora)[1], compute, grad=False)[0]
+    uncast = step(unets(tiny_unet, compute, lora)[1], compute, grad=False)[0]
     assert rel_err(out[0].float(), uncast.float()) > 1e-3, "fp8 storage should change the output"
 
 
-def test_weights_of_two_dtypes_once_cast_are_refused_naming_layerwise_casting():
+def test_weights_of_two_dtypes_once_cast_are_refused_naming_layerwise_casting(tiny_unet):
     """A LoRA adapter added after enable_layerwise_casting is stored in fp8 by peft, outside the
     hooks, and a compute dtype other than the model's leaves the norms in another dtype: diffusers'
     own forward fails in both; the swapped block refuses, naming layerwise casting, weights intact."""
-    unet, reference = unets(torch.bfloat16)
+    unet, reference = unets(tiny_unet, torch.bfloat16)
     for u in (unet, reference):
         u.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.bfloat16)
         with torch.random.fork_rng():
@@ -155,10 +154,10 @@ def test_weights_of_two_dtypes_once_cast_are_refused_naming_layerwise_casting():
             call(RustTransformerBlock(block), x, c)
 
 
-def test_layerwise_casting_fp16_compute_forward_and_backward_as_the_library(threads):
+def test_layerwise_casting_fp16_compute_forward_and_backward_as_the_library(tiny_unet, threads):
     """fp8 storage, fp16 compute: the forward bitwise; the backward as the library's, whichever way
     that goes (the same error, or bitwise the same gradients)."""
-    unet, reference = unets(torch.float16)
+    unet, reference = unets(tiny_unet, torch.float16)
     for u in (unet, reference):
         u.enable_layerwise_casting(storage_dtype=torch.float8_e5m2, compute_dtype=torch.float16)
     assert same(step(unet, torch.float16, grad=False), step(reference, torch.float16, grad=False))

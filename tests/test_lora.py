@@ -14,72 +14,33 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import examples, randomize_, rel_err
+from conftest import randomize_, rel_err
 from plusequals import BasicTransformerBlock, CppBlock, RustBlock, UnsupportedBlockError
-from plusequals.cases.project import tiny_unet_config
 from plusequals.twin.swap import RustTransformerBlock
 
 peft = pytest.importorskip("peft", reason="needs the optional extra plusequals[diffusers]")
-diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
-from diffusers.models.attention import BasicTransformerBlock as DiffusersBlock  # noqa: E402
-from peft import LoraConfig, inject_adapter_in_model  # noqa: E402
-from peft.tuners.lora.layer import LoraLayer  # noqa: E402
+pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
+from peft import LoraConfig  # noqa: E402
 
-DIM, HEADS, D_HEAD, CTX = 32, 4, 8, 24
-TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj", "net.2"]  # every linear of the block
-SLOW = settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-class Holder(nn.Module):
-    """What PEFT injects into: a model holding the block."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-
-def add_adapter(block, name, seed, **config):
-    """peft initialises the adapter from the global generator: seeded here, and left as it was."""
-    config = {"r": 4, "lora_alpha": 8, "target_modules": TARGETS, "init_lora_weights": False, **config}
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        inject_adapter_in_model(LoraConfig(**config), Holder(block), adapter_name=name)
-    return block
-
-
-def lora_block(seed=0, **config):
-    with torch.random.fork_rng():  # nn.Linear's initialisation draws from the global generator: left as it was
-        block = randomize_(DiffusersBlock(DIM, HEADS, D_HEAD, cross_attention_dim=CTX), seed).eval()
-    return add_adapter(block, "a", seed + 1, **config).eval()  # peft makes the adapter's dropouts in training mode
-
-
-def layers(block):
-    return [m for m in block.modules() if isinstance(m, LoraLayer)]
-
-
-def inputs(seed=2, batch=2):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, 5, DIM, generator=g), torch.randn(batch, 4, CTX, generator=g)
-
-
-def call(module, x, c):
-    return module(x, encoder_hidden_states=c)
-
-
-@st.composite
-def adapter_configs(draw):
-    targets = draw(st.lists(st.sampled_from(TARGETS), min_size=1, max_size=6, unique=True))
-    return {
-        "r": draw(st.integers(1, 8)),
-        "lora_alpha": draw(st.sampled_from([1, 4, 8, 16.5])),
-        "target_modules": targets,
-        "lora_bias": draw(st.booleans()),
-        "use_rslora": draw(st.booleans()),
-    }
+from support.lora import (  # noqa: E402
+    CTX,
+    D_HEAD,
+    DIM,
+    HEADS,
+    OPS,
+    SLOW,
+    adapter_configs,
+    add_adapter,
+    apply,
+    call,
+    inputs,
+    layers,
+    lora_block,
+)
 
 
 @SLOW
@@ -116,41 +77,6 @@ def expected_refusal(block) -> str:
             if isinstance(drop, nn.Dropout) and drop.p > 0 and drop.training:
                 return "in training mode"
     return ""
-
-
-OPS = st.one_of(
-    st.tuples(st.just("set_adapter"), st.sampled_from(["a", "b", ("a", "b"), ("b", "a")])),
-    st.tuples(st.just("enable"), st.booleans()),
-    st.tuples(st.just("merge"), st.sampled_from([False, True])),  # safe_merge
-    st.tuples(st.just("unmerge"), st.none()),
-    st.tuples(st.just("set_scale"), st.sampled_from(["a", "b"]), st.sampled_from([0.0, 0.5, 2.0])),
-    st.tuples(st.just("scale_layer"), st.sampled_from([0.5, 3.0])),
-    st.tuples(st.just("unscale_layer"), st.none()),
-    st.tuples(st.just("train"), st.booleans()),
-)
-
-
-def apply(block, op):
-    kind, *args = op
-    if kind == "train":
-        block.train(args[0])
-        return
-    for layer in layers(block):
-        if kind == "set_adapter":
-            names = [args[0]] if isinstance(args[0], str) else list(args[0])
-            layer.set_adapter([n for n in names if n in layer.lora_A] or names[:1])
-        elif kind == "enable":
-            layer.enable_adapters(args[0])
-        elif kind == "merge":
-            layer.merge(safe_merge=args[0])
-        elif kind == "unmerge" and layer.merged:
-            layer.unmerge()
-        elif kind == "set_scale":
-            layer.set_scale(args[0], args[1])
-        elif kind == "scale_layer":
-            layer.scale_layer(args[0])
-        elif kind == "unscale_layer":
-            layer.unscale_layer(args[0])
 
 
 @SLOW
@@ -272,15 +198,6 @@ def test_lora_is_refused_where_the_custom_ops_would_run():
 # --------------------------------------------------------------------------------------------
 
 
-def tiny_unet(seed=0):
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        unet = diffusers.UNet2DConditionModel(**tiny_unet_config()).eval()
-    for i, block in enumerate(m for m in unet.modules() if isinstance(m, DiffusersBlock)):
-        randomize_(block, seed=100 * seed + i)
-    return unet
-
-
 def unet_adapter(unet, name, seed, **config):
     config = {"r": 4, "lora_alpha": 4, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"], **config}
     with torch.random.fork_rng():
@@ -289,7 +206,7 @@ def unet_adapter(unet, name, seed, **config):
 
 
 @pytest.mark.parametrize("adapter_after_swap", [False, True])
-def test_swapped_unet_with_lora_forward_backward_and_diffusers_api(adapter_after_swap):
+def test_swapped_unet_with_lora_forward_backward_and_diffusers_api(tiny_unet, adapter_after_swap):
     from plusequals import swap_transformer_blocks
 
     g = torch.Generator().manual_seed(17)

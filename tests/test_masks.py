@@ -20,7 +20,6 @@ from torch import nn
 
 from conftest import examples, randomize_, rel_err
 from plusequals import BasicTransformerBlock, CppBlock, RustBlock, UnsupportedBlockError
-from plusequals.cases.project import tiny_unet_config
 from plusequals.twin.swap import RustTransformerBlock
 
 DIM, HEADS, D_HEAD, CTX = 32, 4, 8, 24
@@ -180,15 +179,6 @@ def test_masks_are_refused_where_the_custom_ops_would_run():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def diffusers():
-    module = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
-    import diffusers.models.attention  # noqa: F401  (diffusers' submodules are lazy)
-    import diffusers.models.attention_processor  # noqa: F401
-
-    return module
-
-
 class Holder(nn.Module):
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
@@ -237,18 +227,8 @@ def test_drop_in_refuses_masks_that_other_processors_read_otherwise(diffusers, p
             RustTransformerBlock(block)(x, attention_mask=mask, encoder_hidden_states=c)
 
 
-def tiny_unet(diffusers, seed=0):
-    with torch.random.fork_rng():  # diffusers initialises from the global generator: leave it as it was
-        torch.manual_seed(seed)
-        unet = diffusers.UNet2DConditionModel(**tiny_unet_config()).eval()
-    blocks = [m for m in unet.modules() if isinstance(m, diffusers.models.attention.BasicTransformerBlock)]
-    for i, block in enumerate(blocks):
-        randomize_(block, seed=100 * seed + i)
-    return unet
-
-
 @pytest.mark.parametrize("kind", ["01", "bool", "all_ones", "all_zeros_row"])
-def test_swapped_unet_runs_encoder_attention_mask_forward_and_backward(diffusers, kind):
+def test_swapped_unet_runs_encoder_attention_mask_forward_and_backward(tiny_unet, kind):
     """The UNet turns the (batch, 77) mask into a bias before its blocks see it; the swapped UNet's
     output, and the gradients to the encoder states and the blocks' weights, equal the library's."""
     from plusequals import swap_transformer_blocks
@@ -271,7 +251,7 @@ def test_swapped_unet_runs_encoder_attention_mask_forward_and_backward(diffusers
         (out**2).sum().backward()
         return [out, ctx.grad] + [p.grad for p in unet.parameters() if p.grad is not None]
 
-    unet = tiny_unet(diffusers)
+    unet = tiny_unet()
     expected = step(unet)
     swap_transformer_blocks(unet)
     got = step(unet)

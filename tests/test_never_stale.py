@@ -37,17 +37,10 @@ pytest.importorskip("diffusers", reason="needs the optional extra plusequals[dif
 from peft import LoraConfig  # noqa: E402
 from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: E402
 
-from test_diffusers import make_inputs as diffusers_inputs  # noqa: E402
-from test_lora import call, inputs, lora_block  # noqa: E402
-from test_sd_features import make_unet  # noqa: E402
+from support.lora import call, inputs, lora_block  # noqa: E402
+from support.unet import unet_inputs  # noqa: E402
 
 LORA = {"r": 4, "lora_alpha": 4, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"], "init_lora_weights": False}
-
-
-def unet_inputs(dtype=torch.float32):
-    g = torch.Generator().manual_seed(1)
-    sample, text = torch.randn(2, 4, 16, 16, generator=g), torch.randn(2, 77, 32, generator=g)
-    return sample.to(dtype), torch.tensor([10, 700]), text.to(dtype)
 
 
 def add_unet_adapter(unet, name="adapter-1"):
@@ -58,12 +51,12 @@ def add_unet_adapter(unet, name="adapter-1"):
 
 def run(unet, dtype=torch.float32):
     with torch.no_grad():
-        return unet(*unet_inputs(dtype)).sample
+        return unet(*unet_inputs(dtype=dtype)).sample
 
 
-def swapped_and_reference():
+def swapped_and_reference(tiny_unet):
     """A tiny UNet swapped (and called once: probed in fp32), and an unswapped copy."""
-    unet, reference = make_unet(), make_unet()
+    unet, reference = tiny_unet(), tiny_unet()
     swap_transformer_blocks(unet)
     run(unet)
     return unet, reference
@@ -89,10 +82,10 @@ def test_the_probe_compares_nan_and_inf_by_position(values, where, other):
     assert (differs(b, a, 1e-5) is None) == same, (values, where, other)
 
 
-def test_lora_fuse_nan_gives_nan_like_the_library_and_no_refusal():
+def test_lora_fuse_nan_gives_nan_like_the_library_and_no_refusal(tiny_unet):
     """diffusers' test_lora_fuse_nan: every lora_A holds inf, fused unsafely; the probe (new peft
     classes in the forward) sees NaN from both blocks in the same places, and the call runs."""
-    unet, reference = swapped_and_reference()
+    unet, reference = swapped_and_reference(tiny_unet)
     for model in (unet, reference):
         add_unet_adapter(model)
         with torch.no_grad():
@@ -107,11 +100,11 @@ def test_lora_fuse_nan_gives_nan_like_the_library_and_no_refusal():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_lora_layerwise_casting_inference_runs_and_equals_the_library(dtype):
+def test_lora_layerwise_casting_inference_runs_and_equals_the_library(tiny_unet, dtype):
     """diffusers' test_lora_layerwise_casting_inference, on a UNet probed in fp32 first: cast to a
     half dtype, an adapter added, layerwise casting on; the probe runs in that dtype on the CPU
     and the output is bitwise the library's."""
-    unet, reference = swapped_and_reference()
+    unet, reference = swapped_and_reference(tiny_unet)
     for model in (unet, reference):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # diffusers warns that it casts with to()
@@ -274,12 +267,12 @@ def test_generated_calls_in_and_out_of_modes_equal_the_pytorch_block(steps):
         assert torch.equal(got, expected), (mode, owned, which)
 
 
-def test_a_swapped_unet_under_a_mode_is_the_librarys_under_it():
+def test_a_swapped_unet_under_a_mode_is_the_librarys_under_it(tiny_unet):
     """The swapped tiny UNet under a mode that changes F.linear gives the library's output under
     that mode (its blocks run diffusers' forward), and the twins again after it."""
-    unet, reference = make_unet(), make_unet()
+    unet, reference = tiny_unet(), tiny_unet()
     handle = swap_transformer_blocks(unet)
-    inputs = diffusers_inputs()
+    inputs = unet_inputs()
     with torch.no_grad():
         plain = reference(*inputs).sample
         with AddOneToLinear():
@@ -343,10 +336,10 @@ def test_conversions_that_swap_parameters_work_on_the_original_and_the_twin_foll
         torch.__future__.set_swap_module_params_on_conversion(was)
 
 
-def test_a_swapped_unets_original_blocks_convert_and_the_unet_follows(swapping):
-    unet, reference = make_unet(), make_unet()
+def test_a_swapped_unets_original_blocks_convert_and_the_unet_follows(tiny_unet, swapping):
+    unet, reference = tiny_unet(), tiny_unet()
     handle = swap_transformer_blocks(unet)
-    inputs = diffusers_inputs()
+    inputs = unet_inputs()
     with torch.no_grad():
         assert torch.equal(unet(*inputs).sample, reference(*inputs).sample)
     for s in handle:

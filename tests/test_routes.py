@@ -28,11 +28,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conftest import rel_err
-from plusequals import StaleBlock, UnsupportedBlockError
-from test_structure import Site
+from support.sites import SCALE, SITES, TOL, Site, run_sequence, same_or_refused
 
-TOL = 1e-5
-SCALE = 1.5
+_same_or_refused = same_or_refused  # what test_watch_routes.py imports from here, until it imports support.sites
 
 
 def _patch(owner, name: str, wrap: Callable) -> Callable[[], None]:
@@ -192,41 +190,9 @@ ROUTES: Dict[str, Callable[[Site], Callable[[], None]]] = {
 NAMES = list(ROUTES)
 
 
-def _same_or_refused(site: Site, step: str) -> None:
-    """The oracle's verdict on one step: the changed PyTorch model's output, or a refusal that
-    leaves the inputs as they were."""
-    expected = site.pytorch()
-    inputs = [t.clone() for t in site.inputs if isinstance(t, torch.Tensor)]
-    try:
-        got = site.run()
-    except (UnsupportedBlockError, StaleBlock):
-        now = [t for t in site.inputs if isinstance(t, torch.Tensor)]
-        assert all(torch.equal(a, b) for a, b in zip(inputs, now)), f"{step}: a refusal changed the inputs"
-    else:
-        assert rel_err(got, expected) <= TOL, f"{step}: stale by {rel_err(got, expected):.3g}"
-
-
-def run_sequence(site: Site, routes: Dict[str, Callable[[Site], Callable[[], None]]], steps: list) -> None:
-    """Applies each step's route (or undoes it when it is applied already), the oracle's verdict
-    after each; then every change undone, the target must work again."""
-    undos: Dict[str, Callable[[], None]] = {}
-    try:
-        for name in steps:  # a route applied, or undone when it is applied already
-            if name in undos:
-                undos.pop(name)()
-                _same_or_refused(site, f"{name} undone, after {steps}")
-            else:
-                undos[name] = routes[name](site)
-                _same_or_refused(site, f"{name}, in {steps}")
-    finally:
-        for undo in reversed(list(undos.values())):
-            undo()
-    assert rel_err(site.run(), site.pytorch()) <= TOL, f"every change undone, {steps}: it must work again"
-
-
-@pytest.fixture(scope="module", params=["RustBlock", "CppBlock", "swap"])
+@pytest.fixture(scope="module", params=SITES)
 def site(request):
-    return Site(request.param)
+    return Site(request.param, request.getfixturevalue("tiny_unet") if request.param == "swap" else None)
 
 
 def test_every_route_changes_the_pytorch_block(site):
@@ -268,7 +234,7 @@ def test_a_name_added_to_a_class_the_forward_uses_is_followed_or_refused(site, n
     assert rel_err(site.run(), site.pytorch()) <= TOL
     undo = ROUTES[name](site)
     try:
-        _same_or_refused(site, name)
+        same_or_refused(site, name)
     finally:
         undo()
     assert rel_err(site.run(), site.pytorch()) <= TOL

@@ -13,8 +13,6 @@ diffusers 0.42 cannot undo layerwise casting (``LayerwiseCastingHook.deinitalize
 it (no hook registry, no instance ``forward``, the fp32 weights).
 """
 
-import copy
-import functools
 import warnings
 
 import pytest
@@ -22,14 +20,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import examples, randomize_, rel_err
+from conftest import examples, rel_err
 from plusequals import UnsupportedBlockError, swap_transformer_blocks
-from plusequals.cases.project import tiny_unet_config
 from plusequals.twin.swap import RustTransformerBlock
 
-diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
+pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
 from diffusers.loaders import IPAdapterMixin  # noqa: E402
-from diffusers.models.attention import BasicTransformerBlock  # noqa: E402
 
 CLIP = 16  # the image embedding's width, projected to 4 tokens of cross_attention_dim by ImageProjection
 SLOW = settings(max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -40,21 +36,6 @@ class Pipe(IPAdapterMixin):
 
     def __init__(self, unet):
         self.unet = unet
-
-
-def make_unet():
-    """A fresh copy of one randomly initialised small SD-v1-shaped UNet (built once: it takes seconds)."""
-    return copy.deepcopy(_unet())
-
-
-@functools.lru_cache(maxsize=1)
-def _unet(seed=0):
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        unet = diffusers.UNet2DConditionModel(**tiny_unet_config()).eval()
-    for i, block in enumerate(m for m in unet.modules() if isinstance(m, BasicTransformerBlock)):
-        randomize_(block, seed=100 * seed + i)
-    return unet
 
 
 def ip_state_dict(unet, seed):
@@ -133,8 +114,8 @@ def same(a, b):
 
 
 @pytest.mark.parametrize("after_the_swap", [False, True])
-def test_ip_adapter_runs_in_rust_bitwise_forward_and_backward(after_the_swap):
-    unet, reference = make_unet(), make_unet()
+def test_ip_adapter_runs_in_rust_bitwise_forward_and_backward(tiny_unet, after_the_swap):
+    unet, reference = tiny_unet(), tiny_unet()
     if after_the_swap:
         swap_transformer_blocks(unet)
     for u in (unet, reference):
@@ -149,7 +130,7 @@ def test_ip_adapter_runs_in_rust_bitwise_forward_and_backward(after_the_swap):
     assert len(got) == len(expected) and all(same(a, b) for a, b in zip(got, expected))
     ip_grads = [p.grad for n, p in unet.named_parameters() if "_ip.0." in n]
     assert len(ip_grads) == 8 and all(g is not None and g.abs().sum() > 0 for g in ip_grads)
-    assert not torch.equal(run(unet), run(make_unet()))  # the adapters matter
+    assert not torch.equal(run(unet), run(tiny_unet()))  # the adapters matter
     for u in (unet, reference):
         Pipe(u).set_ip_adapter_scale([1.5, 0.5])  # written in place into each processor's list: followed
     assert torch.equal(run(unet), run(reference))
@@ -158,12 +139,12 @@ def test_ip_adapter_runs_in_rust_bitwise_forward_and_backward(after_the_swap):
     assert torch.equal(run(unet), run(reference))
 
 
-def test_ip_adapter_without_sdpa_is_within_the_bound():
+def test_ip_adapter_without_sdpa_is_within_the_bound(tiny_unet):
     """diffusers' IPAdapterAttnProcessor (baddbmm and softmax, as AttnProcessor) on the same weights:
     ||a - b|| / ||b|| <= 1e-5 against the Rust block's SDPA, as for AttnProcessor."""
     from diffusers.models.attention_processor import IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0
 
-    unet, reference = make_unet(), make_unet()
+    unet, reference = tiny_unet(), tiny_unet()
     for u in (unet, reference):
         load_ip_adapters(u, [3, 4])
         for name, proc in u.attn_processors.items():
@@ -175,10 +156,10 @@ def test_ip_adapter_without_sdpa_is_within_the_bound():
     assert rel_err(run(unet), run(reference)) <= 1e-5
 
 
-def test_ip_adapter_where_the_rust_block_cannot_run_it_is_refused_naming_it():
+def test_ip_adapter_where_the_rust_block_cannot_run_it_is_refused_naming_it(tiny_unet):
     """The custom ops take no image embeddings, and per-image scales (lists, for ip_adapter_masks) are
     refused: each says so. (The C++ twin computes IP-Adapter: tests/test_ip_adapter_twins.py.)"""
-    unet = make_unet()
+    unet = tiny_unet()
     load_ip_adapters(unet, [3])
     swap_transformer_blocks(unet)
     rust = next(m for m in unet.modules() if isinstance(m, RustTransformerBlock))
@@ -197,10 +178,10 @@ def test_ip_adapter_where_the_rust_block_cannot_run_it_is_refused_naming_it():
     assert run(unet).isfinite().all()  # and the UNet runs again once the scale is one number
 
 
-def test_a_tuple_for_a_processor_that_takes_one_tensor_is_refused_naming_ip_adapter():
+def test_a_tuple_for_a_processor_that_takes_one_tensor_is_refused_naming_ip_adapter(tiny_unet):
     """The tuple reaching a block whose processors are the plain ones (not diffusers' UNet's doing,
     a caller's): a named refusal, not ``context must be a torch.Tensor, got tuple``."""
-    unet = make_unet()
+    unet = tiny_unet()
     swap_transformer_blocks(unet)
     block = next(m for m in unet.modules() if isinstance(m, RustTransformerBlock))
     x, text, image = torch.randn(2, 16, 32), torch.randn(2, 77, 32), torch.randn(2, 1, 4, 32)
@@ -212,10 +193,10 @@ def test_a_tuple_for_a_processor_that_takes_one_tensor_is_refused_naming_ip_adap
         assert torch.equal(block(x, encoder_hidden_states=text), block.original(x, encoder_hidden_states=text))
 
 
-def test_layerwise_casting_runs_in_rust_then_undone_is_followed():
+def test_layerwise_casting_runs_in_rust_then_undone_is_followed(tiny_unet):
     """Layerwise casting runs in the swapped blocks (tests/test_layerwise_casting.py); undone, the
     swapped UNet is bitwise the uncast library's again."""
-    unet, reference = make_unet(), make_unet()
+    unet, reference = tiny_unet(), tiny_unet()
     state, uncast = snapshot(unet), run(reference)
     swap_transformer_blocks(unet)
     for u in (unet, reference):
@@ -252,8 +233,8 @@ def apply(unet, op, state):
 
 @SLOW
 @given(st.lists(OPS, min_size=1, max_size=5))
-def test_changes_after_the_swap_are_followed_or_refused_naming_them(ops):
-    unet, reference = make_unet(), make_unet()
+def test_changes_after_the_swap_are_followed_or_refused_naming_them(tiny_unet, ops):
+    unet, reference = tiny_unet(), tiny_unet()
     state = snapshot(unet)
     swap_transformer_blocks(unet)
     for op in ops:

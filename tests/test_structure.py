@@ -23,55 +23,12 @@ from torch.utils.flop_counter import FlopCounterMode
 import compvis_reference
 from conftest import CONTEXT, make_block, make_inputs, randomize_, rel_err
 from plusequals import CppBlock, RustBlock, UnsupportedBlockError
-
-TOL = 1e-5
-SITES = ["RustBlock", "CppBlock", "swap"]
-
-
-class Site:
-    """A PyTorch model, its Rust side, and the block inside it whose structure the cases change."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        if name == "swap":
-            diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
-            from plusequals import swap_transformer_blocks
-            from test_diffusers import REPLACED, make_unet
-            from test_diffusers import make_inputs as unet_inputs
-
-            self.torch = self.rust = make_unet(diffusers)  # swapped in place; the handle keeps the originals
-            self.inputs = unet_inputs()
-            self.handle = swap_transformer_blocks(self.torch)
-            # the diffusers block whose submodules (the same objects) its replacement runs on
-            self.block = next(s.original for s in self.handle if s.path == REPLACED)
-        else:
-            self.block = make_block(80, 8, 10, context_dim=CONTEXT[1])
-            self.rust = (RustBlock if name == "RustBlock" else CppBlock).from_torch(self.block)
-            self.inputs = make_inputs(16)
-
-    def pytorch(self) -> torch.Tensor:
-        """The PyTorch model's output now."""
-        with torch.no_grad():
-            if self.name == "swap":
-                self.handle.undo()
-                try:
-                    return self.torch(*self.inputs).sample
-                finally:
-                    for s in self.handle:
-                        setattr(s.parent, s.name, s.replacement)
-                    self.handle.active = True
-            return self.block(*self.inputs)
-
-    def run(self) -> torch.Tensor:
-        with torch.no_grad():
-            if self.name == "swap":
-                return self.rust(*self.inputs).sample
-            return self.rust(*self.inputs)
+from support.sites import SITES, TOL, Site
 
 
 @pytest.fixture(params=SITES)
 def site(request):
-    return Site(request.param)
+    return Site(request.param, request.getfixturevalue("tiny_unet") if request.param == "swap" else None)
 
 
 def follows_or_refuses(site: Site, change, undo, names: str, matters: bool = True) -> None:

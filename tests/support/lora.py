@@ -1,0 +1,101 @@
+"""PEFT LoRA on a small diffusers block, shared by the LoRA, DoRA, layerwise-casting and
+never-stale tests: the block and its adapters (seeded, the global generator left as it was), its
+inputs and call, the adapter configurations and state changes that hypothesis draws."""
+
+import torch
+from diffusers.models.attention import BasicTransformerBlock as DiffusersBlock
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.lora.layer import LoraLayer
+from torch import nn
+
+from conftest import examples
+from plusequals.model.blocks import randomize_
+
+DIM, HEADS, D_HEAD, CTX = 32, 4, 8, 24
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj", "net.2"]  # every linear of the block
+SLOW = settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+class Holder(nn.Module):
+    """What PEFT injects into: a model holding the block."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+
+def add_adapter(block, name, seed, **config):
+    """peft initialises the adapter from the global generator: seeded here, and left as it was."""
+    config = {"r": 4, "lora_alpha": 8, "target_modules": TARGETS, "init_lora_weights": False, **config}
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        inject_adapter_in_model(LoraConfig(**config), Holder(block), adapter_name=name)
+    return block
+
+
+def lora_block(seed=0, **config):
+    with torch.random.fork_rng():  # nn.Linear's initialisation draws from the global generator: left as it was
+        block = randomize_(DiffusersBlock(DIM, HEADS, D_HEAD, cross_attention_dim=CTX), seed).eval()
+    return add_adapter(block, "a", seed + 1, **config).eval()  # peft makes the adapter's dropouts in training mode
+
+
+def layers(block):
+    return [m for m in block.modules() if isinstance(m, LoraLayer)]
+
+
+def inputs(seed=2, batch=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 5, DIM, generator=g), torch.randn(batch, 4, CTX, generator=g)
+
+
+def call(module, x, c):
+    return module(x, encoder_hidden_states=c)
+
+
+@st.composite
+def adapter_configs(draw):
+    targets = draw(st.lists(st.sampled_from(TARGETS), min_size=1, max_size=6, unique=True))
+    return {
+        "r": draw(st.integers(1, 8)),
+        "lora_alpha": draw(st.sampled_from([1, 4, 8, 16.5])),
+        "target_modules": targets,
+        "lora_bias": draw(st.booleans()),
+        "use_rslora": draw(st.booleans()),
+    }
+
+
+OPS = st.one_of(
+    st.tuples(st.just("set_adapter"), st.sampled_from(["a", "b", ("a", "b"), ("b", "a")])),
+    st.tuples(st.just("enable"), st.booleans()),
+    st.tuples(st.just("merge"), st.sampled_from([False, True])),  # safe_merge
+    st.tuples(st.just("unmerge"), st.none()),
+    st.tuples(st.just("set_scale"), st.sampled_from(["a", "b"]), st.sampled_from([0.0, 0.5, 2.0])),
+    st.tuples(st.just("scale_layer"), st.sampled_from([0.5, 3.0])),
+    st.tuples(st.just("unscale_layer"), st.none()),
+    st.tuples(st.just("train"), st.booleans()),
+)
+
+
+def apply(block, op):
+    kind, *args = op
+    if kind == "train":
+        block.train(args[0])
+        return
+    for layer in layers(block):
+        if kind == "set_adapter":
+            names = [args[0]] if isinstance(args[0], str) else list(args[0])
+            layer.set_adapter([n for n in names if n in layer.lora_A] or names[:1])
+        elif kind == "enable":
+            layer.enable_adapters(args[0])
+        elif kind == "merge":
+            layer.merge(safe_merge=args[0])
+        elif kind == "unmerge" and layer.merged:
+            layer.unmerge()
+        elif kind == "set_scale":
+            layer.set_scale(args[0], args[1])
+        elif kind == "scale_layer":
+            layer.scale_layer(args[0])
+        elif kind == "unscale_layer":
+            layer.unscale_layer(args[0])
