@@ -181,7 +181,7 @@ if __name__ == "__main__":
 def test_a_workers_library_write_is_placed_at_the_users_line_in_sarif(tmp_path):
     """torchvision's ``Normalize(inplace=True)`` in forked workers, audited from a subfolder of a
     git repository: each SARIF result lies at the user's line that called into torchvision (what
-    the worker knew of the library's caller), as without workers; it used to have no location."""
+    the worker knew of the library's caller), as without workers, never a result without a location."""
     import json
 
     import jsonschema
