@@ -11,8 +11,10 @@ UNet, and working again once undone.
   ``for`` over a ``Sequential`` or ``ModuleList`` calls).
 * What only the run recorded at check time shows (``twin/record.py``): a global read by a helper
   that the ``F.gelu`` wrapper calls (outside torch and the block's packages, which the reading
-  does not follow), and an entry of a dict the forward took its function from
-  (``STRATEGIES[residual]``).
+  does not follow), a module attribute it reads through a closure cell (``ns.scale``), and an
+  entry of a dict the forward took its function from (``STRATEGIES[residual]``).
+* A method bound in a module's instance dict, a forward hook added after the reading, and a
+  ``functools.partial`` set as ``F.gelu``.
 
 Generated sequences of these changes (each step applies a change, or undoes one made earlier) are
 checked after every step against the PyTorch model (the oracle, fp32 CPU, <= 1e-5 relative): the
@@ -23,7 +25,9 @@ same result, or a refusal that leaves the inputs bitwise as they were. Every pat
 from __future__ import annotations
 
 import builtins
+import functools
 import sys
+import types
 from typing import Callable, Dict
 
 import pytest
@@ -45,17 +49,23 @@ def _helper():
     return FACTOR
 
 
+NS = types.ModuleType("plusequals_test_ns")  # a module the wrapper holds in a closure cell, not a global
+NS.scale = 1.0
+
+
 def _wrapper():
     """A Python ``F.gelu`` of the same maths (a library's wrapper), with a default, a keyword
-    default and a closure cell that each take part; and another code of the same free variables."""
+    default, a closure cell and a module attribute read through a cell (``ns.scale``) that each
+    take part; and another code of the same free variables."""
     gelu = F.gelu
     factor = 1.0
+    ns = NS
 
     def wrapped_gelu(input, approximate="none", *, scale=1.0):
-        return gelu(input, approximate=approximate) * (factor * scale * _helper())
+        return gelu(input, approximate=approximate) * (factor * scale * _helper() * ns.scale)
 
     def other_code(input, approximate="none", *, scale=1.0):
-        return gelu(input, approximate=approximate) * (factor * scale * _helper() * 1.5)
+        return gelu(input, approximate=approximate) * (factor * scale * _helper() * ns.scale * 1.5)
 
     return wrapped_gelu, other_code
 
@@ -137,6 +147,23 @@ def _add_scaled(self, other):
     return torch._C.TensorBase.__add__(self, other) * SCALE
 
 
+def _instance_forward(site: Site) -> Callable[[], None]:
+    """A bound method in the attention module's instance dict: ``self.forward`` finds it first."""
+    attn = site.block.attn1
+    forward = type(attn).forward
+
+    def scaled(self, *args, **kwargs):
+        return forward(self, *args, **kwargs) * SCALE
+
+    attn.__dict__["forward"] = types.MethodType(scaled, attn)
+    return lambda: attn.__dict__.pop("forward")
+
+
+def _hook_added(site: Site) -> Callable[[], None]:
+    handle = site.block.ff.register_forward_hook(lambda module, args, out: out * SCALE)
+    return handle.remove
+
+
 ROUTES: Dict[str, Callable[[Site], Callable[[], None]]] = {
     # 1. a function changed in place
     "nn.LayerNorm.forward's __code__ replaced": lambda site: _code(nn.LayerNorm.forward, _layer_norm_scaled.__code__),
@@ -153,6 +180,12 @@ ROUTES: Dict[str, Callable[[Site], Callable[[], None]]] = {
     "torch._VF.dropout set": lambda site: _added(torch._VF, "dropout", lambda input, p, train: input * SCALE),
     "iter shadowed in torch.nn.modules.container": _iter_shadowed,
     "the containers' __iter__ code replaced": _iter_code,
+    # 5. more routes: a module attribute read through a closure cell, an instance-dict method,
+    # a hook added after the reading, a functools.partial set as a global
+    "a module attribute the wrapper reads through a cell set": lambda site: _set(NS, "scale", SCALE),
+    "a forward bound on the attention's instance": _instance_forward,
+    "a forward hook added to the feed-forward": _hook_added,
+    "F.gelu set to a functools.partial": lambda site: _set(F, "gelu", functools.partial(F.gelu, approximate="tanh")),
 }
 NAMES = list(ROUTES)
 
@@ -283,17 +316,26 @@ def test_out_of_contract_a_classs_bases_reassigned():
 
 
 @OUT_OF_CONTRACT
-def test_out_of_contract_a_change_equal_on_the_probes_input_only():
-    """``F.gelu`` replaced by one that agrees on the probe's 5 tokens and scales otherwise: the
-    probe agrees, so the twin follows."""
+def test_out_of_contract_a_branch_on_a_shape_no_check_ran():
+    """``F.gelu`` replaced by one that scales only on 9 tokens: the check (run by a call of 4
+    tokens: the probe's inputs of 5, 7, 2 and 4 tokens) agrees, so the twin follows; a later call
+    of 9 tokens finds nothing changed. (A change equal on the probe's seeded input only is
+    refused: tests/test_probe_proves.py.)"""
     original = F.gelu
 
     def gelu(input, approximate="none"):
         out = original(input, approximate=approximate)
-        return out if input.shape[-2] == 5 else out * SCALE
+        return out * SCALE if input.shape[-2] == 9 else out
 
     block, rust, x, c = _small()
-    _stale_or_not(block, rust, x, c, lambda: setattr(F, "gelu", gelu), lambda: setattr(F, "gelu", original))
+    x9 = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        F.gelu = gelu
+        try:
+            assert torch.equal(rust(x, c), block(x, c))  # the check, at 4 tokens: followed
+            assert rel_err(rust(x9, c), block(x9, c)) <= TOL, "stale"
+        finally:
+            F.gelu = original
 
 
 CONFIG = {"scale": 1.0}  # a dict of values (no function) that a wrapper reads
@@ -326,14 +368,14 @@ def test_out_of_contract_a_value_inside_a_dict_the_forward_reads():
 @OUT_OF_CONTRACT
 def test_out_of_contract_code_the_checked_run_did_not_reach():
     """A wrapper set as ``F.gelu`` (outside the packages the reading follows) calls a helper only
-    on inputs of other than 5 tokens: the probe's run never reached it, so the global it reads is
-    not watched."""
+    on inputs of 9 tokens: no probe input ran it (5, 7, 2 tokens, and the checking call's), so the
+    global it reads is not watched, and a call of 9 tokens is stale."""
     global FACTOR2
     original = F.gelu
 
     def gelu(input, approximate="none"):
         out = original(input, approximate=approximate)
-        return out if input.shape[-2] == 5 else out * _other_helper()
+        return out * _other_helper() if input.shape[-2] == 9 else out
 
     def change():
         global FACTOR2
@@ -345,7 +387,8 @@ def test_out_of_contract_code_the_checked_run_did_not_reach():
 
     F.gelu = gelu
     try:
-        block, rust, x, c = _small()
+        block, rust, _, c = _small()
+        x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(4))
         _stale_or_not(block, rust, x, c, change, undo)
     finally:
         F.gelu = original

@@ -28,6 +28,7 @@ from .faithful import ADAPTERS, CHILDREN, Reading, can_probe, probe, read_block
 from .forward_code import code_changes
 from .hooks import run_under_saved_tensor_hooks
 from .ip_adapter import forward_tuple
+from .probe import note_call
 from .record import Ran, Recorder
 from .route import Path, route, route_owned
 
@@ -247,7 +248,7 @@ class RustBlock(nn.Module):
         if not self._twin.fresh(weights, self._config):
             inner, self._device = validated_inner(dict(zip(self._config.keys, weights)), self._config)
             self._twin.set(inner, weights, self._config)
-            self._probe_pending |= bool(self._reading and self._reading.unknown)  # a new dtype or device: again
+            self._probe_pending |= self._reading is not None  # proven in one dtype and device: again
         if self._probe_pending:
             self._run_probe(weights[0], error)
         self._rebind()  # read, built and probed: the hot path may call it
@@ -268,7 +269,7 @@ class RustBlock(nn.Module):
                     f"it in {weight.dtype} on {weight.device}",
                 )
             return
-        recorder = Recorder(reading.watch.functions)  # what the PyTorch block runs: twin/record.py
+        recorder = Recorder(reading.watch.functions, self._ran)  # what the PyTorch block runs: twin/record.py
         reason = probe(self._source, self._probe_forward(), self._config, weight, recorder.call)
         if reason:
             if reading.unknown:
@@ -379,7 +380,8 @@ class RustBlock(nn.Module):
                 if y is not NotImplemented:
                     return y
         masks = masks_of(attention_mask, encoder_attention_mask)
-        to = route(x, context, masks, current=self._carried, functorch=self._functorch_weights, adapters=ADAPTERS)
+        current = functools.partial(self._noted, x, context)
+        to = route(x, context, masks, current=current, functorch=self._functorch_weights, adapters=ADAPTERS)
         if to.path is Path.DELEGATE:
             return delegated(self, to.modes, x, context, masks)
         if to.path is Path.IMAGES:
@@ -427,7 +429,7 @@ class RustBlock(nn.Module):
             masks,
             donate,
             where=self._where(),
-            current=self._carried,
+            current=functools.partial(self._noted, x, context),
             functorch=self._functorch_weights,
             adapters=ADAPTERS,
         )
@@ -459,6 +461,12 @@ class RustBlock(nn.Module):
             return None
         self._ensure_current()
         return Carried(self._where(), self._config, self._reading, self._modules, self._functorch_weights(), self._call)
+
+    def _noted(self, x: Tensor, context: Any) -> Optional[Carried]:
+        """:meth:`_carried`, once the call's shapes are noted: a check this call runs probes an input of
+        its shapes too (route() calls it for an eager call after its checks, and for IP-Adapter's pair)."""
+        note_call(x, context)
+        return self._carried()
 
     def _functorch_weights(self) -> bool:
         """Whether a torch.func transform is active and the weights are functorch-wrapped

@@ -1,18 +1,51 @@
-"""The probe of :func:`plusequals.twin.faithful.read_block`'s ``trust="probe"``: for block classes
-the reading does not know, the Rust block and the block are run on one small seeded input and must
-agree. A leaf (imports only ``config``)."""
+"""The probe: the PyTorch block and the Rust block run on the same inputs and must agree. It runs
+at each check (``from_torch``, :func:`plusequals.twin.faithful.read_block`'s ``trust="probe"``, and
+after every change of the code the forward runs), never on the hot path.
+
+A change is followed only where the probe proves it equal, as far as running it can:
+
+* **Several inputs**, not one, each run recorded (twin/record.py: a helper only some token
+  counts call is watched once one ran it): a seeded input (batch 2, 5 tokens), then fresh random
+  ones (seeds from the OS, named in a refusal) of batch 1 and 3, of other token counts, at 100x
+  and 1/100x the scale (a branch on ``x.abs().max() > k``), and one of the shapes of the call
+  that found the change (:func:`note_call`; a branch on a shape). Each in the block's dtype, on
+  its device, in the call's autocast state.
+* **The ATen ops** the PyTorch block runs on the seeded input (a ``TorchDispatchMode``: names,
+  overloads and non-tensor arguments), compared with the Rust block's (on this crate's CompVis
+  block they are the same sequence) and with those of the last run that was proven: an op that
+  reads a tensor's value into Python (``bool(t)``, ``t.item()``, ``torch.equal``: any op whose
+  schema returns no tensor) that neither of those ran is a branch on values no probe can cover,
+  and is refused, named.
+
+A leaf (imports only ``config``)."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+import contextvars
+import random
+from typing import Any, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .config import BlockConfig
 
-__all__ = ["PROBE_BOUND", "bound", "can_probe", "differs", "probe"]
+__all__ = [
+    "PROBE_BOUND",
+    "Input",
+    "Trace",
+    "bound",
+    "can_probe",
+    "differs",
+    "for_call",
+    "inputs",
+    "note_call",
+    "probe",
+    "trace",
+    "value_reads",
+]
 
 PROBE_BOUND = 1e-5  # the parity bar (README): ||a - b|| / ||b||, fp32 and fp64
 
@@ -68,11 +101,183 @@ def _outside_function_modes() -> Iterator[None]:
             torch._C._push_on_torch_function_stack(mode)
 
 
+class Input(NamedTuple):
+    """One probe input: x is (batch, tokens, dim), the context (batch, context_tokens, width), drawn
+    from ``seed`` and multiplied by ``scale``."""
+
+    batch: int
+    tokens: int
+    context_tokens: int
+    scale: float
+    seed: int
+
+    def __str__(self) -> str:
+        return (
+            f"batch {self.batch}, {self.tokens} tokens, context {self.context_tokens}, "
+            f"scale {self.scale:g}, seed {self.seed}"
+        )
+
+
+#: The input the recorder watches the block run on, whose ATen ops are compared: seeded, so the
+#: op sequences of two checks are comparable.
+SEEDED = Input(2, 5, 3, 1.0, 0)
+
+#: The most elements of x for which the probe also runs the call's own shapes (4 Mi: SD v1's
+#: 64 x 64 latent at width 320, batch 2, is 2.6 Mi).
+CALL_LIMIT = 1 << 22
+
+_CALL: contextvars.ContextVar[Optional[Tuple[int, int, int]]] = contextvars.ContextVar("probe_call", default=None)
+
+
+def note_call(x: Any, context: Any = None) -> None:
+    """Notes the shapes of a call that left the hot path (the one whose check may probe): x's batch
+    and tokens, the context's tokens (x's where there is none). The probe, run by that call's check,
+    adds an input of those shapes; a later probe on this thread (another block's ``from_torch``)
+    may add them too, which proves no less."""
+    shapes = None
+    if isinstance(x, torch.Tensor) and x.dim() == 3:
+        tokens = context.shape[1] if isinstance(context, torch.Tensor) and context.dim() == 3 else x.shape[1]
+        shapes = (int(x.shape[0]), int(x.shape[1]), int(tokens))
+    _CALL.set(shapes)
+
+
+@contextlib.contextmanager
+def for_call(x: Any, context: Any = None) -> Iterator[None]:
+    """:func:`note_call` for the duration of the block."""
+    token = _CALL.set(None)
+    note_call(x, context)
+    try:
+        yield
+    finally:
+        _CALL.reset(token)
+
+
+def inputs(spec: BlockConfig, seeds: Optional[List[int]] = None) -> List[Input]:
+    """The probe's inputs (module docstring): :data:`SEEDED` first, then four drawn from ``seeds``
+    (fresh from the OS when None): batch 1 and 3, other token counts, 100x and 1/100x the scale,
+    and the call's shapes (:func:`note_call`) where there is a call and x has at most
+    :data:`CALL_LIMIT` elements."""
+    rng = random.SystemRandom()
+    seeds = list(seeds) if seeds is not None else [rng.getrandbits(62) for _ in range(4)]
+    out = [
+        SEEDED,
+        Input(1, 7, 4, 1.0, seeds[0]),
+        Input(3, 2, 6, 100.0, seeds[1]),
+        Input(2, 5, 3, 0.01, seeds[2]),
+    ]
+    call = _CALL.get()
+    if call is not None and call[0] * call[1] * spec.dim <= CALL_LIMIT and call[0] > 0 and call[1] > 0:
+        out.append(Input(call[0], call[1], max(call[2], 1), 1.0, seeds[3]))
+    return out
+
+
+def _tensors(spec: BlockConfig, weight: torch.Tensor, at: Input) -> Tuple[torch.Tensor, torch.Tensor, list]:
+    """x, the context and IP-Adapter's image embeddings (diffusers only: one (batch, images,
+    tokens, width) per adapter) of ``at``, in the weights' dtype and on their device."""
+    g = torch.Generator().manual_seed(at.seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        t = torch.randn(*shape, generator=g, dtype=torch.float64) * at.scale
+        return t.to(weight.device, weight.dtype)
+
+    x = draw(at.batch, at.tokens, spec.dim)
+    c = draw(at.batch, at.context_tokens, spec.context_dim or spec.dim)
+    return x, c, [draw(at.batch, 1, 2, c.shape[-1]) for _ in spec.ip_adapter]
+
+
+# --------------------------------------------------------------------------------------------
+# The ATen ops
+# --------------------------------------------------------------------------------------------
+
+#: One op: its name with the overload, and its non-tensor arguments (a tensor is "T").
+Op = Tuple[str, tuple]
+
+
+class Trace(NamedTuple):
+    """The ATen ops one run dispatched, in order, and where it ran (dtype, device)."""
+
+    ops: Tuple[Op, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _arg(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return "T"
+    if isinstance(a, (list, tuple)):
+        return tuple(_arg(b) for b in a)
+    if isinstance(a, (int, float, bool, str, type(None))):
+        return a
+    return type(a).__name__  # a dtype, a device, a layout: the run's, not the op's
+
+
+class _Ops(TorchDispatchMode):
+    """Records each op's name and non-tensor arguments, and runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: List[Op] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        self.ops.append((str(func), _arg(args) + tuple(sorted((k, _arg(v)) for k, v in kwargs.items()))))
+        return func(*args, **kwargs)
+
+
+def trace(f, *args: Any, **kwargs: Any) -> Tuple[Any, List[Op]]:
+    """``f(*args, **kwargs)`` and the ATen ops it dispatched."""
+    with _Ops() as mode:
+        out = f(*args, **kwargs)
+    return out, mode.ops
+
+
+def value_reads(ops: Any) -> List[str]:
+    """The ops of ``ops`` that hand a tensor's value to Python (their schema returns no tensor, nor
+    a list or optional of one: ``_local_scalar_dense`` for ``bool(t)`` and ``t.item()``, ``equal``,
+    ``allclose``), by name."""
+    out = []
+    for name, _ in ops:
+        packet = name.split(".")
+        op = getattr(getattr(torch.ops, packet[0], None), packet[1], None) if len(packet) == 3 else None
+        overload = getattr(op, packet[2], None) if op is not None else None
+        schema = getattr(overload, "_schema", None)
+        if schema is not None and not any("Tensor" in str(r.type) for r in schema.returns):
+            out.append(name)
+    return out
+
+
+def _new_value_reads(ops: List[Op], *known: Optional[List[Op]]) -> List[str]:
+    """The value reads of ``ops`` beyond those of each known trace (by count, per op)."""
+    reads = value_reads(ops)
+    allowed: dict = {}
+    for k in known:
+        counts: dict = {}
+        for name in value_reads(k or ()):
+            counts[name] = counts.get(name, 0) + 1
+        for name, n in counts.items():
+            allowed[name] = max(allowed.get(name, 0), n)
+    new = []
+    for name in reads:
+        if allowed.get(name, 0):
+            allowed[name] -= 1
+        else:
+            new.append(name)
+    return new
+
+
+# --------------------------------------------------------------------------------------------
+# The probe
+# --------------------------------------------------------------------------------------------
+
+
 def probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tensor, call=None) -> Optional[str]:
-    """Runs ``block`` and the Rust block on one small seeded input, in the weights' dtype and on
-    their device, and returns the reason they differ (None: they agree within :func:`bound`,
-    NaN and inf in the same places). Only where :func:`can_probe`. ``call(block, *args,
-    **kwargs)`` runs the block (the recorder of what it ran: twin/record.py)."""
+    """Runs ``block`` and the Rust block on the probe's inputs (:func:`inputs`), in the weights'
+    dtype and on their device, and returns the reason they differ (None: they agree within
+    :func:`bound` on every input, NaN and inf in the same places, and the block read no tensor's
+    value that neither the Rust block nor the last proven run read). Only where :func:`can_probe`.
+    ``call(block, *args, **kwargs)`` runs the block on each input: a recorder's (of what it ran:
+    twin/record.py), whose ``proven`` trace (the last run proven equal) is compared and
+    whose ``ops`` is set to this run's."""
     with _outside_function_modes():
         return _probe(block, rust_forward, spec, weight, call or _call)
 
@@ -81,27 +286,18 @@ def _call(f, *args, **kwargs):
     return f(*args, **kwargs)
 
 
-def _probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tensor, call) -> Optional[str]:
-    """:func:`probe`, under no TorchFunctionMode."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 5, spec.dim, generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
-    c = torch.randn(2, 3, spec.context_dim or spec.dim, generator=g, dtype=torch.float64).to(
-        weight.device, weight.dtype
-    )
-    # IP-Adapter (diffusers only): one image embedding (batch, images, tokens, width) per adapter
-    images = [
-        torch.randn(2, 1, 2, c.shape[-1], generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
-        for _ in spec.ip_adapter
-    ]
-    with torch.no_grad():
-        try:
-            # diffusers' block takes the context by keyword (its second argument is the mask)
-            diffusers = type(block).__module__.startswith("diffusers.")
-            context = (c, images) if images else c
-            expected = call(block, x, encoder_hidden_states=context) if diffusers else call(block, x, c)
-        except Exception as e:  # noqa: BLE001  (reported as the reason)
-            return f"its forward raised {type(e).__name__} on a probe input: {e}"
-        got = rust_forward(x, c, ip_adapter=images) if images else rust_forward(x, c)
+def _run_block(block: nn.Module, call, x: torch.Tensor, c: torch.Tensor, images: list) -> Any:
+    # diffusers' block takes the context by keyword (its second argument is the mask)
+    if type(block).__module__.startswith("diffusers."):
+        return call(block, x, encoder_hidden_states=(c, images) if images else c)
+    return call(block, x, c)
+
+
+def _run_rust(rust_forward, x: torch.Tensor, c: torch.Tensor, images: list) -> Any:
+    return rust_forward(x, c, ip_adapter=images) if images else rust_forward(x, c)
+
+
+def _compare(expected: Any, got: torch.Tensor, at: Input) -> Optional[str]:
     if not isinstance(expected, torch.Tensor) or expected.shape != got.shape:
         return (
             f"its forward returns {type(expected).__name__} {getattr(expected, 'shape', '')}, not a tensor of x's shape"
@@ -109,7 +305,48 @@ def _probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tens
     why = differs(got, expected, bound(expected.dtype))
     if why:
         return (
-            f"its output differs from the Rust block's by {why} on a probe input in {expected.dtype} on "
+            f"its output differs from the Rust block's by {why} on a probe input ({at}) in {expected.dtype} on "
             f"{expected.device}: its forward does not compute the CompVis block"
         )
+    return None
+
+
+def _probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tensor, call) -> Optional[str]:
+    """:func:`probe`, under no TorchFunctionMode."""
+    recorder = getattr(call, "__self__", None)
+    with torch.no_grad():
+        for i, at in enumerate(inputs(spec)):
+            x, c, images = _tensors(spec, weight, at)
+            try:
+                expected = _run_block(block, call, x, c, images)  # recorded, every input
+            except Exception as e:  # noqa: BLE001  (reported as the reason)
+                return f"its forward raised {type(e).__name__} on a probe input ({at}): {e}"
+            why = _compare(expected, _run_rust(rust_forward, x, c, images), at)
+            if why:
+                return why
+            if i == 0:
+                why = _check_ops(block, rust_forward, recorder, x, c, images)
+                if why:
+                    return why
+    return None
+
+
+def _check_ops(
+    block: nn.Module, rust_forward, recorder: Any, x: torch.Tensor, c: torch.Tensor, images: list
+) -> Optional[str]:
+    """The seeded input's ATen ops (module docstring): None, or the reason to refuse. The block's
+    trace is kept on ``recorder`` (``ops``) for the next check to compare with."""
+    _, ops = trace(_run_block, block, _call, x, c, images)
+    _, twin = trace(_run_rust, rust_forward, x, c, images)
+    proven = getattr(recorder, "proven", None)
+    same_place = proven is not None and (proven.dtype, proven.device) == (x.dtype, x.device)
+    new = _new_value_reads(ops, twin, proven.ops if same_place else None)
+    if new:
+        return (
+            f"its forward reads a tensor's value into Python ({', '.join(sorted(set(new)))}), which neither the "
+            "Rust block nor its last proven run did: a branch on values, which no probe can cover"
+        )
+    if recorder is not None and hasattr(recorder, "ops"):
+        recorder.ops = Trace(tuple(ops), x.dtype, x.device)
+        recorder.same_as_twin = ops == twin
     return None

@@ -25,7 +25,7 @@ from __future__ import annotations
 import gc
 import sys
 import types
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from .forward_code import Note, Reads, _codes, _function, _module_read, class_dict, function_state
 
@@ -39,6 +39,7 @@ class Ran:
 
     def __init__(self, frames: List[Tuple[types.CodeType, dict, dict]], known: Set[int] = frozenset()) -> None:
         self.frames = frames
+        self.ops: Any = None  # the ATen ops of the run, once the probe proved it (twin/probe.py's Trace)
         self.places: Dict[int, List[Tuple[Any, Any, str]]] = {}
         nested = {id(c) for code, _, _ in frames for c in list(_codes(code))[1:]}
         for code, g, _ in frames:
@@ -61,6 +62,8 @@ class Ran:
                 seen_notes.add((id(n.d), n.key))
                 notes.append(n)
 
+        for n in _cells_read(self.frames, watched, sized):
+            note(n)
         for code, g, builtins in self.frames:
             for n in _names_read(code, g, builtins, sized):
                 note(n)
@@ -78,7 +81,31 @@ class Ran:
                     seen_functions.add(id(f))
                     functions.append(f)
                     notes += [Note(None, k, v, f"{label}.{k}") for k, v in function_state(f)]
+                    for n in _cells_read(self.frames, [f], sized):
+                        note(n)
         return Reads(notes, list(sized.values()), functions)
+
+
+def _cells_read(
+    frames: List[Tuple[types.CodeType, dict, dict]], functions: Iterable[types.FunctionType], sized: Dict[int, dict]
+) -> Iterator[Note]:
+    """The attributes that each of ``functions`` whose code ran reads from a module held in one of
+    its closure cells (``ns.act`` where ``ns`` is a free variable, not a global): the cell is watched
+    by identity, the module's attributes named in the code here. Its dict is sized."""
+    ran = {id(code) for code, _, _ in frames}
+    for f in functions:
+        if id(f.__code__) not in ran or not f.__closure__:
+            continue
+        names = set(f.__code__.co_names)
+        for nested in list(_codes(f.__code__))[1:]:
+            names |= set(nested.co_names)
+        for cell in f.__closure__:
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, types.ModuleType):
+                yield from _module_read(value, names, sized)
 
 
 def _names_read(code: types.CodeType, g: dict, builtins: dict, sized: Dict[int, dict]) -> List[Note]:
@@ -128,20 +155,42 @@ def _runs(value: Any, code: types.CodeType) -> bool:
 
 
 class Recorder:
-    """Records the Python code a call runs (:meth:`call`), as a :class:`Ran` (:attr:`ran`;
+    """Records the Python code calls run (:meth:`call`), as one :class:`Ran` (:attr:`ran`;
     None where nothing could be recorded: another tool holds every ``sys.monitoring`` id). The
-    functions of ``known`` (the reading's, watched already) are not looked for."""
+    functions of ``known`` (the reading's, watched already) are not looked for.
 
-    def __init__(self, known: Iterable[types.FunctionType] = ()) -> None:
-        self.ran: Optional[Ran] = None
+    ``proven``: the last run the probe proved equal; its ATen ops (:attr:`proven`, a
+    :class:`plusequals.twin.probe.Trace`) are what the probe compares this run's with, and it
+    sets this run's (:attr:`ops`) once it agrees."""
+
+    def __init__(self, known: Iterable[types.FunctionType] = (), proven: Optional[Ran] = None) -> None:
+        self._ran: Optional[Ran] = None
+        self._recorded = False
         self.known = {id(f.__code__) for f in known}
+        self.proven = proven.ops if proven is not None else None
+        self._ops: Any = None
+        self._frames: List[Tuple[types.CodeType, dict, dict]] = []
+        self._seen: Set[int] = set()
+        self.same_as_twin = False  # whether the block ran the Rust block's ATen ops (set by the probe)
+
+    @property
+    def ops(self) -> Any:
+        """The ATen ops of the recorded run, once the probe proved it (kept on :attr:`ran` too)."""
+        return self._ops
+
+    @ops.setter
+    def ops(self, trace: Any) -> None:
+        self._ops = trace
+        if self._ran is not None:
+            self._ran.ops = trace
 
     def call(self, f, *args: Any, **kwargs: Any) -> Any:
         """``f(*args, **kwargs)``, recorded: only the frames it starts (none of this module's), with
         the cyclic garbage collector off, whose callbacks and finalizers are no part of the forward
-        (hypothesis' ``gc.callbacks`` write their module's globals on every collection)."""
-        frames: List[Tuple[types.CodeType, dict, dict]] = []
-        seen: set = set()
+        (hypothesis' ``gc.callbacks`` write their module's globals on every collection). Each call
+        adds to :attr:`ran`: the probe records every input's run (a helper called only on some
+        token counts is watched once one of them ran it)."""
+        frames, seen = self._frames, self._seen
 
         def started(frame: types.FrameType) -> None:
             code = frame.f_code
@@ -149,10 +198,7 @@ class Recorder:
                 seen.add(id(code))
                 frames.append((code, frame.f_globals, frame.f_builtins))
 
-        if hasattr(sys, "monitoring"):  # pragma: no cover  (3.12+)
-            stop = _monitor(started)
-        else:
-            stop = _profile(started)
+        stop = _start(started)
         if stop is None:
             return f(*args, **kwargs)
         collecting = gc.isenabled()
@@ -163,8 +209,16 @@ class Recorder:
             stop()
             if collecting:
                 gc.enable()
-        self.ran = Ran(frames, self.known)
+        self._recorded = True
         return out
+
+    @property
+    def ran(self) -> Optional[Ran]:
+        """What the calls so far ran (None: nothing was recorded), built once per new frame."""
+        if self._recorded and (self._ran is None or len(self._ran.frames) != len(self._frames)):
+            self._ran = Ran(list(self._frames), self.known)
+            self._ran.ops = self._ops
+        return self._ran
 
 
 _HERE = globals()
@@ -185,10 +239,18 @@ def _profile(started) -> Callable[[], None]:
     return lambda: sys.setprofile(previous)
 
 
-def _monitor(started) -> Optional[Callable[[], None]]:  # pragma: no cover  (3.12+)
-    """3.12+: ``PY_START`` events of ``sys.monitoring`` under a free tool id (None: none is free);
-    returns the function that frees it."""
-    mon = sys.monitoring
+def _start(started, monitoring: Any = None) -> Optional[Callable[[], None]]:
+    """Starts calling ``started(frame)`` for each Python frame that starts, and returns the function
+    that stops it (None: nothing could be started). ``sys.monitoring`` where the interpreter has it
+    (3.12+: ``monitoring``, the module, or a stand-in), else ``sys.setprofile`` (3.11)."""
+    mon = getattr(sys, "monitoring", None) if monitoring is None else monitoring
+    return _monitor(started, mon) if mon is not None else _profile(started)
+
+
+def _monitor(started, mon: Any) -> Optional[Callable[[], None]]:
+    """3.12+: ``PY_START`` events of ``sys.monitoring`` (``mon``) under a free tool id (None: none
+    is free); returns the function that frees it. The events are the interpreter's, every thread's:
+    a frame another thread starts meanwhile is recorded too (watched: at worst a check too many)."""
     tool = next((t for t in range(6) if mon.get_tool(t) is None), None)
     if tool is None:
         return None
