@@ -188,7 +188,8 @@ def test_errors_are_classes_made_in_rust_and_re_exported():
     import plusequals
     from plusequals import _rust, errors
 
-    for name in ("OwnershipError", "UnsupportedBlockError", "StaleBlock", "WeightsChanged", "DonationConsumed"):
+    names = ("OwnershipError", "UnsupportedBlockError", "StaleBlock", "WeightsChanged", "DonationConsumed")
+    for name in (*names, "UseAfterDonation"):
         cls = getattr(plusequals, name)
         assert cls is getattr(_rust, name) is getattr(errors, name)
         assert cls.__module__ == "plusequals", cls.__module__

@@ -16,6 +16,7 @@ __all__ = [
     "StaleBlock",
     "TCH_VERSION",
     "UnsupportedBlockError",
+    "UseAfterDonation",
     "Watch",
     "WeightsChanged",
     "_fail_next_forward_owned_at",
@@ -28,15 +29,27 @@ TCH_VERSION: str
 RUSTC_VERSION: str
 
 class OwnershipError(ValueError):
-    arg: str
-    why: str
-    count: Optional[int]
-    modes: List[str]
+    def __init__(
+        self, message: str, arg: str, why: str, count: Optional[int] = None, modes: Sequence[str] = ()
+    ) -> None: ...
+    @property
+    def arg(self) -> str: ...
+    @property
+    def why(self) -> str: ...
+    @property
+    def count(self) -> Optional[int]: ...
+    @property
+    def modes(self) -> List[str]: ...
 
 class UnsupportedBlockError(ValueError): ...
 class StaleBlock(ValueError): ...
 class WeightsChanged(RuntimeError): ...
 class DonationConsumed(RuntimeError): ...
+
+class UseAfterDonation(DonationConsumed):
+    def __init__(self, message: str, op: str) -> None: ...
+    @property
+    def op(self) -> str: ...
 
 @final
 class Watch:

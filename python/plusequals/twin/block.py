@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _rust
-from ..errors import UnsupportedBlockError, ownership_error
+from ..errors import OwnershipError, UnsupportedBlockError
 from . import letgo, ops
 from .adapters import eager_extras, forward_tuple, functorch_weights, takes_images
 from .arguments import check_tensor, masks_of, pair, refuse_grad, seen
@@ -494,7 +494,7 @@ class RustBlock(nn.Module):
         refused = why_not_donatable(x, context)
         if refused:
             arg, why, message, modes = refused
-            raise ownership_error(
+            raise OwnershipError(
                 f"{message}; nothing was donated: x is unchanged and usable (donate=False works on a copy)",
                 arg,
                 why,
