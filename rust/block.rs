@@ -17,7 +17,7 @@ pub use crate::ip_adapter::IpAdapter;
 pub use crate::linear::{Linear, Lora, LoraSpec};
 use crate::masks::{add_mask, check_mask, per_head, Masks};
 use crate::ownership::{check_exclusive, check_owned_by, Caller, NoGrad};
-use crate::weights::Weights;
+use crate::weights::{WeightKey, Weights};
 
 /// Which attention kernel `CrossAttention` uses (`attention=` in the PyTorch block).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +58,13 @@ pub struct BlockConfig {
 }
 
 impl BlockConfig {
+    /// The CompVis keys of the weights a block of this configuration takes, in the order the
+    /// custom ops take them: [`BasicTransformerBlock::weight_keys`] of that block, built on
+    /// stand-ins ([`Weights::stand_ins`]). An error if the configuration builds no block.
+    pub fn weight_keys(&self) -> Result<Vec<String>> {
+        Ok(BasicTransformerBlock::load(Weights::stand_ins(), self)?.weight_keys())
+    }
+
     /// `n_heads * d_head`, the attention's inner width (an error if it overflows).
     pub fn inner_dim(&self) -> Result<i64> {
         self.n_heads
@@ -68,6 +75,8 @@ impl BlockConfig {
 
 /// `nn.LayerNorm(dim)`, eps 1e-5, with affine weight and bias.
 pub struct LayerNorm {
+    /// Its CompVis key ("norm1"): its weights' keys are this and `.weight`, `.bias`.
+    pub key: String,
     pub weight: Tensor,
     pub bias: Tensor,
     pub dim: i64,
@@ -75,7 +84,13 @@ pub struct LayerNorm {
 
 impl LayerNorm {
     fn load(w: &mut Weights, prefix: &str, dim: i64) -> Result<Self> {
-        Ok(LayerNorm { weight: w.take(prefix, "weight", &[dim])?, bias: w.take(prefix, "bias", &[dim])?, dim })
+        let (weight, bias) = (w.take(prefix, "weight", &[dim])?, w.take(prefix, "bias", &[dim])?);
+        Ok(LayerNorm { key: prefix.to_string(), weight, bias, dim })
+    }
+
+    /// Its weights by key: `weight`, `bias`.
+    fn named(&self) -> [(WeightKey<'_>, &Tensor); 2] {
+        [(WeightKey::new(&self.key, "weight"), &self.weight), (WeightKey::new(&self.key, "bias"), &self.bias)]
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -288,20 +303,23 @@ pub struct BasicTransformerBlock {
 impl BasicTransformerBlock {
     /// Builds the block from a state_dict with CompVis keys; every key must be used exactly once.
     pub fn from_weights(weights: HashMap<String, Tensor>, cfg: &BlockConfig) -> Result<Self> {
+        Self::load(Weights::new(weights), cfg)
+    }
+
+    fn load(mut weights: Weights, cfg: &BlockConfig) -> Result<Self> {
         if cfg.dim <= 0 || cfg.n_heads <= 0 || cfg.d_head <= 0 || cfg.context_dim.is_some_and(|c| c <= 0) {
             return Err(Error::config(format!("dimensions must be positive: {cfg:?}")));
         }
         cfg.inner_dim()?;
         let (dim, context_dim) = (cfg.dim, cfg.context_dim.unwrap_or(cfg.dim));
-        let w = &mut Weights::new(weights);
+        let w = &mut weights;
         let attn1 = CrossAttention::load(w, "attn1", dim, dim, cfg)?;
         let ff = FeedForward::load(w, "ff", dim, cfg)?;
         let attn2 = CrossAttention::load(w, "attn2", dim, context_dim, cfg)?;
         let norm1 = LayerNorm::load(w, "norm1", dim)?;
         let norm2 = LayerNorm::load(w, "norm2", dim)?;
         let norm3 = LayerNorm::load(w, "norm3", dim)?;
-        let w = std::mem::replace(w, Weights::new(HashMap::new()));
-        let (kind, device, name) = w.finish()?;
+        let (kind, device, name) = weights.finish()?;
         let mut block = BasicTransformerBlock {
             attn1,
             ff,
@@ -392,35 +410,43 @@ impl BasicTransformerBlock {
         Ok(x)
     }
 
-    /// Every weight, in state_dict order ([`weight_keys`](Self::weight_keys)).
-    /// The LoRA terms' weights come last, in [`BlockConfig::lora`] order.
-    pub fn weights(&self) -> Vec<&Tensor> {
+    /// Every weight with its CompVis key, in the order the custom ops take them: the weights of
+    /// the PyTorch block in state_dict order, then the LoRA terms' (in [`BlockConfig::lora`]
+    /// order), IP-Adapter's and Custom Diffusion's. The one list of the block's weights:
+    /// [`weights`](Self::weights) and [`weight_keys`](Self::weight_keys) read it.
+    pub fn named_weights(&self) -> Vec<(WeightKey<'_>, &Tensor)> {
         let mut w = Vec::with_capacity(16);
         for attn in [&self.attn1, &self.attn2] {
-            w.extend([&attn.to_q.weight, &attn.to_k.weight, &attn.to_v.weight, &attn.to_out.weight]);
-            w.extend(attn.to_out.bias.as_ref());
+            for lin in [&attn.to_q, &attn.to_k, &attn.to_v, &attn.to_out] {
+                w.extend(lin.named());
+            }
         }
         let (project_in, net_2) = self.ff.linears();
-        for lin in [project_in, net_2] {
-            w.push(&lin.weight);
-            w.extend(lin.bias.as_ref());
-        }
+        w.extend(project_in.named().chain(net_2.named()));
         for n in [&self.norm1, &self.norm2, &self.norm3] {
-            w.extend([&n.weight, &n.bias]);
+            w.extend(n.named());
         }
-        for t in self.lora_terms() {
-            w.extend(t.tensors());
+        let mut lora: Vec<&Lora> = self.lora_terms().collect(); // no allocation without LoRA terms
+        lora.sort_by_key(|t| t.index);
+        for t in lora {
+            w.extend(t.named());
         }
         for ip in &self.attn2.ip_adapter {
-            w.extend([&ip.to_k.weight, &ip.to_v.weight]);
+            w.extend(ip.to_k.named().chain(ip.to_v.named()));
         }
         for custom in [&self.attn1, &self.attn2].into_iter().filter_map(|a| a.custom_diffusion.as_ref()) {
-            w.extend(custom.weights());
+            w.extend(custom.named());
         }
         w
     }
 
-    /// Every LoRA term, linear by linear (no allocation: [`weights`](Self::weights) runs on every call).
+    /// Every weight, in [`named_weights`](Self::named_weights) order (it runs on every call: the
+    /// keys are not formatted).
+    pub fn weights(&self) -> Vec<&Tensor> {
+        self.named_weights().into_iter().map(|(_, t)| t).collect()
+    }
+
+    /// Every LoRA term, linear by linear.
     fn lora_terms(&self) -> impl Iterator<Item = &Lora> {
         let (project_in, net_2) = self.ff.linears();
         let [a1, a2] = [&self.attn1, &self.attn2];
@@ -430,34 +456,7 @@ impl BasicTransformerBlock {
 
     /// The CompVis key of each of [`weights`](Self::weights), in the same order.
     pub fn weight_keys(&self) -> Vec<String> {
-        let mut keys = Vec::with_capacity(16);
-        for attn in ["attn1", "attn2"] {
-            keys.extend(
-                ["to_q.weight", "to_k.weight", "to_v.weight", "to_out.0.weight", "to_out.0.bias"]
-                    .map(|k| format!("{attn}.{k}")),
-            );
-        }
-        let project_in = match self.ff.net_0 {
-            ProjectIn::GeGlu(_) => "ff.net.0.proj",
-            ProjectIn::Gelu(_) => "ff.net.0.0",
-        };
-        keys.extend([format!("{project_in}.weight"), format!("{project_in}.bias")]);
-        keys.extend(["ff.net.2.weight".to_string(), "ff.net.2.bias".to_string()]);
-        for norm in ["norm1", "norm2", "norm3"] {
-            keys.extend([format!("{norm}.weight"), format!("{norm}.bias")]);
-        }
-        for t in self.lora_terms() {
-            keys.extend(t.keys());
-        }
-        for i in 0..self.attn2.ip_adapter.len() {
-            keys.extend([format!("attn2.ip.{i}.to_k.weight"), format!("attn2.ip.{i}.to_v.weight")]);
-        }
-        for (attn, a) in [("attn1", &self.attn1), ("attn2", &self.attn2)] {
-            keys.extend(
-                a.custom_diffusion.iter().flat_map(|c| c.keys()).map(|k| format!("{attn}.custom_diffusion.{k}")),
-            );
-        }
-        keys
+        self.named_weights().into_iter().map(|(key, _)| key.to_string()).collect()
     }
 
     /// The sum of the weights' version counters: it changes with every in-place write to a
@@ -481,7 +480,7 @@ impl BasicTransformerBlock {
                 && w.f_kind().ok() == Some(self.kind)
                 && device(w) == Some(self.device.0);
             if !same {
-                let key = self.weight_keys().swap_remove(i);
+                let key = self.named_weights().get(i).map(|(key, _)| key.to_string()).unwrap_or_default();
                 let now = match w.f_kind() {
                     Ok(kind) => {
                         format!("{} of shape {:?} on {}", dtype_name(kind), size.unwrap_or_default(), device_name(w))

@@ -161,6 +161,7 @@ fn ip_adapter_terms_scales_and_refusals() -> plusequals::Result<()> {
     assert!(rel_err(&with(vec![0.5, 1.0])?, &one) > 1e-3, "so does the second");
     let cfg = BlockConfig { ip_adapter: vec![1.0, 1.0], ..small_config(Attention::Sdpa) };
     let b = BasicTransformerBlock::from_weights(w.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect(), &cfg)?;
+    assert_eq!(cfg.weight_keys()?, b.weight_keys(), "the configuration's keys are its block's");
     let err = b.forward_masked(&x, Some(&c), Masks { ip_adapter: &images[..1], ..Masks::NONE }).err();
     assert!(matches!(err, Some(Error::Input { .. })), "{err:?}");
     let cfg = BlockConfig { ip_adapter: vec![1.0, 1.0, 1.0], ..small_config(Attention::Sdpa) };
@@ -196,6 +197,7 @@ fn custom_diffusion_layers_detach_and_refusals() -> plusequals::Result<()> {
     let cfg = BlockConfig { custom_diffusion: vec![spec("attn2")], ..small_config(Attention::Sdpa) };
     let shared = |w: &HashMap<String, Tensor>| w.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect();
     let b = BasicTransformerBlock::from_weights(shared(&w), &cfg)?;
+    assert_eq!(cfg.weight_keys()?, b.weight_keys(), "the configuration's keys are its block's");
     let (x, c) = small_inputs()?;
     let c = c.set_requires_grad(true);
     let y = b.forward(&x, Some(&c))?;
@@ -244,6 +246,7 @@ fn dora_terms_equal_their_merged_weights() -> plusequals::Result<()> {
     let (x, c) = small_inputs()?;
     let dora = BasicTransformerBlock::from_weights(weights, &cfg)?;
     let keys = dora.weight_keys();
+    assert_eq!(cfg.weight_keys()?, keys, "the configuration's keys are its block's");
     assert_eq!(
         keys[keys.len() - 3..],
         ["ff.net.2.lora.0.A.weight", "ff.net.2.lora.0.B.weight", "ff.net.2.lora.0.magnitude"]

@@ -23,6 +23,7 @@ __all__ = [
     "alias_routes",
     "cpp_gallery",
     "tensor_facts",
+    "weight_keys",
 ]
 
 TCH_VERSION: str
@@ -129,6 +130,19 @@ class Block:
         watch: Optional[Watch] = None,
     ) -> Tensor: ...
 
+def weight_keys(
+    *,
+    dim: int,
+    n_heads: int,
+    d_head: int,
+    context_dim: Optional[int] = None,
+    gated_ff: bool = True,
+    attention: str = "sdpa",
+    language: str = "rust",
+    lora: Sequence[Tuple[str, int, float, bool, bool]] = ...,
+    ip_adapter: Sequence[float] = ...,
+    custom_diffusion: Sequence[Tuple[str, bool, bool, bool]] = ...,
+) -> List[str]: ...
 def alias_routes() -> List[Tuple[str, str]]: ...
 def cpp_gallery() -> List[Tuple[str, bool, str]]: ...
 def tensor_facts(t: Tensor) -> Dict[str, Any]: ...

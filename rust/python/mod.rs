@@ -19,7 +19,7 @@ mod tools;
 mod twins;
 mod watch;
 
-use block::PyBlock;
+use block::{weight_keys, PyBlock};
 use entry::PyEntry;
 use errors::CLASSES;
 #[cfg(feature = "failpoints")]
@@ -37,6 +37,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     for class in CLASSES {
         m.add(class.short_name(), class.get(m.py())?)?;
     }
+    m.add_function(wrap_pyfunction!(weight_keys, m)?)?;
     m.add_function(wrap_pyfunction!(alias_routes, m)?)?;
     m.add_function(wrap_pyfunction!(cpp_gallery, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_facts, m)?)?;
