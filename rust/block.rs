@@ -8,6 +8,7 @@ use std::collections::HashMap;
 
 use tch::{Kind, Tensor};
 
+use crate::attention_extras::{add_mask, check_mask, per_head, AttentionExtras};
 pub use crate::custom_diffusion::CustomDiffusionSpec;
 use crate::custom_diffusion::{Base, CustomDiffusion};
 use crate::error::{Error, Failure, Result};
@@ -15,7 +16,6 @@ use crate::facts::{autocast_produces, dense_size, device, device_name, dtype_nam
 use crate::failpoint::{self, Step};
 pub use crate::ip_adapter::IpAdapter;
 pub use crate::linear::{Linear, Lora, LoraSpec};
-use crate::masks::{add_mask, check_mask, per_head, Masks};
 use crate::ownership::{check_exclusive, check_owned_by, Caller, NoGrad};
 use crate::weights::{WeightKey, Weights};
 
@@ -192,7 +192,7 @@ impl CrossAttention {
         Ok((q, out.f_transpose(1, 2)?.f_reshape([b, n, h * d])?))
     }
 
-    /// [`forward`](Self::forward) with an attention mask ([`crate::masks`]).
+    /// [`forward`](Self::forward) with an attention mask ([`crate::attention_extras`]).
     pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, mask: Option<&Tensor>) -> Result<Tensor> {
         if let Some(custom) = &self.custom_diffusion {
             let base = Base { q: &self.to_q, k: &self.to_k, v: &self.to_v, out: &self.to_out, heads: self.heads };
@@ -339,25 +339,26 @@ impl BasicTransformerBlock {
 
     /// `op_plus_x`, out of place: `x` is only borrowed, so it cannot be mutated.
     pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
-        self.forward_masked(x, context, Masks::NONE)
+        self.forward_masked(x, context, AttentionExtras::NONE)
     }
 
-    /// [`forward`](Self::forward) with attention masks ([`crate::masks`]).
-    pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<Tensor> {
+    /// [`forward`](Self::forward) with the attentions' masks and IP-Adapter's image embeddings
+    /// ([`AttentionExtras`]).
+    pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, extras: AttentionExtras<'_>) -> Result<Tensor> {
         self.check_inputs(x, context)?;
-        self.check_masks(x, context, masks)?;
-        let x = self.attn1.forward_masked(&self.norm1.forward(x)?, None, masks.attn1)?.f_add(x)?;
-        let x = self.attn2_forward(&self.norm2.forward(&x)?, context, masks)?.f_add(&x)?;
+        self.check_masks(x, context, extras)?;
+        let x = self.attn1.forward_masked(&self.norm1.forward(x)?, None, extras.attn1)?.f_add(x)?;
+        let x = self.attn2_forward(&self.norm2.forward(&x)?, context, extras)?.f_add(&x)?;
         let x = self.ff.forward(&self.norm3.forward(&x)?)?.f_add(&x)?;
         Ok(x)
     }
 
     /// `attn2`: the cross-attention, with IP-Adapter's when the block carries adapters.
-    fn attn2_forward(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<Tensor> {
-        if self.attn2.ip_adapter.is_empty() && masks.ip_adapter.is_empty() {
-            return self.attn2.forward_masked(x, context, masks.attn2);
+    fn attn2_forward(&self, x: &Tensor, context: Option<&Tensor>, extras: AttentionExtras<'_>) -> Result<Tensor> {
+        if self.attn2.ip_adapter.is_empty() && extras.ip_adapter.is_empty() {
+            return self.attn2.forward_masked(x, context, extras.attn2);
         }
-        self.attn2.forward_ip(x, context, masks.attn2, masks.ip_adapter)
+        self.attn2.forward_ip(x, context, extras.attn2, extras.ip_adapter)
     }
 
     /// `iadd` made safe: the caller gave `x` up (it is moved in), and the `&NoGrad` proof
@@ -373,7 +374,7 @@ impl BasicTransformerBlock {
     /// [`Failure::Unwritten`]. After the first write, `x`'s buffer is consumed:
     /// [`Failure::Consumed`].
     pub fn try_forward_owned(&self, x: Tensor, context: Option<&Tensor>, no_grad: &NoGrad) -> Result<Tensor, Failure> {
-        self.forward_owned_by(x, context, Masks::NONE, no_grad, &Caller::RUST)
+        self.forward_owned_by(x, context, AttentionExtras::NONE, no_grad, &Caller::RUST)
     }
 
     /// [`try_forward_owned`](Self::try_forward_owned) for a given [`Caller`] (the Python glue).
@@ -381,26 +382,26 @@ impl BasicTransformerBlock {
         &self,
         mut x: Tensor,
         context: Option<&Tensor>,
-        masks: Masks<'_>,
+        extras: AttentionExtras<'_>,
         _grad_off: &NoGrad,
         caller: &Caller,
     ) -> Result<Tensor, Failure> {
         let first = self
             .check_inputs(&x, context)
-            .and_then(|()| self.check_masks(&x, context, masks))
+            .and_then(|()| self.check_masks(&x, context, extras))
             .and_then(|()| check_owned_by(&x, context, caller));
         // Up to and including the first `add_`, nothing is written: libtorch's add_ checks its
         // arguments (shapes, dtypes, inference tensors) before its kernel runs.
         let first = first
             .and_then(|()| failpoint::check(Step::BeforeFirstWrite))
-            .and_then(|()| self.attn1.forward_masked(&self.norm1.forward(&x)?, None, masks.attn1))
+            .and_then(|()| self.attn1.forward_masked(&self.norm1.forward(&x)?, None, extras.attn1))
             .and_then(|h| add_into(&mut x, &h, caller));
         if let Err(e) = first {
             return Err(Failure::Unwritten(e, x));
         }
         let mut rest = || -> Result<()> {
             failpoint::check(Step::AfterFirstWrite)?;
-            let h = self.attn2_forward(&self.norm2.forward(&x)?, context, masks)?;
+            let h = self.attn2_forward(&self.norm2.forward(&x)?, context, extras)?;
             add_into(&mut x, &h, caller)?;
             let h = self.ff.forward(&self.norm3.forward(&x)?)?;
             add_into(&mut x, &h, caller)?;
@@ -516,19 +517,20 @@ impl BasicTransformerBlock {
         Ok(())
     }
 
-    /// Checks the masks against `x` and `context` (already checked): [`crate::masks::check_mask`].
-    pub fn check_masks(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<()> {
-        if masks.attn1.is_none() && masks.attn2.is_none() {
+    /// Checks the masks of `extras` against `x` and `context` (already checked):
+    /// [`crate::attention_extras::check_mask`].
+    pub fn check_masks(&self, x: &Tensor, context: Option<&Tensor>, extras: AttentionExtras<'_>) -> Result<()> {
+        if extras.attn1.is_none() && extras.attn2.is_none() {
             return Ok(()); // the usual call: nothing to read
         }
         let tokens = |t: &Tensor| dense_size(t).and_then(|s| Some((*s.first()?, *s.get(1)?))).unwrap_or((0, 0));
         let (batch, queries) = tokens(x);
         let keys = context.map_or(queries, |c| tokens(c).1);
         let on = (self.device.0, self.device.1.as_str());
-        if let Some(m) = masks.attn1 {
+        if let Some(m) = extras.attn1 {
             check_mask("attention_mask", m, (batch, queries, queries), on)?;
         }
-        if let Some(m) = masks.attn2 {
+        if let Some(m) = extras.attn2 {
             check_mask("encoder_attention_mask", m, (batch, queries, keys), on)?;
         }
         Ok(())

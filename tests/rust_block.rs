@@ -120,8 +120,8 @@ fn bad_inputs_are_errors_not_panics() -> plusequals::Result<()> {
     Ok(())
 }
 
-/// The guard against issue 9 coming back: test data must not depend on libtorch's global RNG,
-/// which other test threads reseed and draw from. Two threads build the same block while a third
+/// Test data must not depend on libtorch's global RNG, which other test threads reseed and draw
+/// from. Two threads build the same block while a third
 /// keeps reseeding and drawing; the weights and outputs must be bitwise equal.
 #[test]
 fn test_data_is_bitwise_equal_across_threads_while_the_global_rng_is_in_use() {

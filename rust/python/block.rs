@@ -11,9 +11,9 @@ use super::donation::{check_dispatch_modes, check_donation, donate_into};
 use super::errors::to_py;
 use super::twins::{masks_of, SharedBlock, Twins};
 use super::watch::{check_watch, PyWatch};
+use crate::attention_extras::AttentionExtras;
 use crate::block::deep_copy;
 use crate::cpp::CppBlock;
-use crate::masks::Masks;
 use crate::ownership::Caller;
 use crate::{BasicTransformerBlock, BlockConfig, CustomDiffusionSpec, LoraSpec, NoGrad, Result};
 
@@ -102,7 +102,7 @@ impl PyBlock {
     }
 
     /// `op_plus_x` out of place; the GIL is released while libtorch computes. `watch`: see
-    /// [`PyWatch`]; the masks and IP-Adapter's image embeddings (`ip_adapter`): see `crate::masks`.
+    /// [`PyWatch`]; the masks and IP-Adapter's image embeddings (`ip_adapter`): see `crate::attention_extras`.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (x, context=None, watch=None, attention_mask=None, encoder_attention_mask=None, ip_adapter=Vec::new()))]
     pub(super) fn forward(
@@ -121,8 +121,8 @@ impl PyBlock {
         let images: Vec<Tensor> = ip_adapter.into_iter().map(|t| t.0).collect();
         let block = &self.block;
         py.allow_threads(move || {
-            let masks = Masks { ip_adapter: &images, ..masks_of(&masks) };
-            block.get().forward(&x, context.as_ref(), masks)
+            let extras = AttentionExtras { ip_adapter: &images, ..masks_of(&masks) };
+            block.get().forward(&x, context.as_ref(), extras)
         })
         .map(PyTensor)
         .map_err(to_py)

@@ -55,7 +55,7 @@ class RustBlock(nn.Module):
       the caller's tensor is never mutated unless it is donated.
 
     Both take ``attention_mask`` and ``encoder_attention_mask`` (keywords; diffusers' semantics:
-    :class:`plusequals.model.blocks.Masks`), in eager calls on plain tensors; where the custom
+    :class:`plusequals.model.blocks.AttentionExtras`), in eager calls on plain tensors; where the custom
     ops would run (tracing, FakeTensor, modes, subclasses) masks are refused.
 
     Made with :meth:`from_torch`, it takes over the PyTorch block's submodules (``norm1``,
