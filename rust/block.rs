@@ -411,9 +411,9 @@ impl BasicTransformerBlock {
         Ok(x)
     }
 
-    /// Every weight with its CompVis key, in the order the custom ops take them: the weights of
-    /// the PyTorch block in state_dict order, then the LoRA terms' (in [`BlockConfig::lora`]
-    /// order), IP-Adapter's and Custom Diffusion's. The one list of the block's weights:
+    /// Every weight with its CompVis key, in the order the custom ops take them: the PyTorch
+    /// block's (`attn1`'s, `attn2`'s, the feed-forward's, the norms'), then the LoRA terms' (in
+    /// [`BlockConfig::lora`] order), IP-Adapter's and Custom Diffusion's. The one list of the block's weights:
     /// [`weights`](Self::weights) and [`weight_keys`](Self::weight_keys) read it.
     pub fn named_weights(&self) -> Vec<(WeightKey<'_>, &Tensor)> {
         let mut w = Vec::with_capacity(16);

@@ -18,8 +18,8 @@ use crate::ownership::Caller;
 use crate::{BasicTransformerBlock, BlockConfig, CustomDiffusionSpec, LoraSpec, NoGrad, Result};
 
 /// The CompVis keys of the weights a block of this configuration takes (`_rust.Block`'s keyword
-/// arguments), in the order the custom ops take them: `BlockConfig::weight_keys`, the one list
-/// of them (`plusequals.twin.config` reads it).
+/// arguments; the same in either language), in the order the custom ops take them:
+/// `BlockConfig::weight_keys`, the one list of them (`plusequals.twin.config` reads it).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (*, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa", language="rust", lora=Vec::new(), ip_adapter=Vec::new(), custom_diffusion=Vec::new()))]
@@ -35,7 +35,9 @@ pub(super) fn weight_keys(
     ip_adapter: Vec<f64>,
     custom_diffusion: Vec<(String, bool, bool, bool)>,
 ) -> PyResult<Vec<String>> {
-    let _same_keys_in_either_language = language;
+    if !matches!(language, "rust" | "cpp") {
+        return Err(PyValueError::new_err(format!("language must be 'rust' or 'cpp', got {language:?}")));
+    }
     let cfg =
         block_config((dim, n_heads, d_head, context_dim), gated_ff, attention, lora, ip_adapter, custom_diffusion)?;
     cfg.weight_keys().map_err(to_py)

@@ -37,9 +37,9 @@ class BlockConfig(NamedTuple):
     @property
     def keys(self) -> Tuple[str, ...]:
         """The weights' CompVis keys, in the order the custom ops take them: the PyTorch block's
-        in state_dict order, then the LoRA terms' (``{linear}.lora.{i}.A.weight``, ...), IP-Adapter's
-        (``attn2.ip.{i}.to_k.weight``, ...) and Custom Diffusion's
-        (``{attn}.custom_diffusion.to_q.weight``, ...). Read from the Rust block
+        (``attn1``'s, ``attn2``'s, the feed-forward's, the norms'), then the LoRA terms'
+        (``{linear}.lora.{i}.A.weight``, ...), IP-Adapter's (``attn2.ip.{i}.to_k.weight``, ...) and
+        Custom Diffusion's (``{attn}.custom_diffusion.to_q.weight``, ...). Read from the Rust block
         (``BlockConfig::weight_keys`` in rust/block.rs), the one list of them; a configuration
         the Rust block refuses raises its ``ValueError``."""
         return _weight_keys(self)
