@@ -62,7 +62,7 @@ struct CrossAttention {
   int64_t heads;
   Attention attention;
   std::vector<IpAdapter> ip_adapter;  // attn2 only, in diffusers' adapter order
-  // `mask`: diffusers' semantics, as in rust/masks.rs (a bias or a boolean mask, repeated per head).
+  // `mask`: diffusers' semantics, as in rust/attention_extras.rs (a bias or a boolean mask, repeated per head).
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& context,
                      const std::optional<at::Tensor>& mask = std::nullopt) const;
   // `forward` plus IP-Adapter's decoupled cross-attention on `images` (rust/block.rs, forward_ip).

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 
 use tch::{Kind, Tensor};
 
+use crate::attention_extras::{add_mask, check_mask, per_head, AttentionExtras};
 pub use crate::custom_diffusion::CustomDiffusionSpec;
 use crate::custom_diffusion::{Base, CustomDiffusion};
 use crate::error::{Error, Failure, Result};
@@ -15,9 +16,8 @@ use crate::facts::{autocast_produces, dense_size, device, device_name, dtype_nam
 use crate::failpoint::{self, Step};
 pub use crate::ip_adapter::IpAdapter;
 pub use crate::linear::{Linear, Lora, LoraSpec};
-use crate::masks::{add_mask, check_mask, per_head, Masks};
 use crate::ownership::{check_exclusive, check_owned_by, Caller, NoGrad};
-use crate::weights::Weights;
+use crate::weights::{WeightKey, Weights};
 
 /// Which attention kernel `CrossAttention` uses (`attention=` in the PyTorch block).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +58,13 @@ pub struct BlockConfig {
 }
 
 impl BlockConfig {
+    /// The CompVis keys of the weights a block of this configuration takes, in the order the
+    /// custom ops take them: [`BasicTransformerBlock::weight_keys`] of that block, built on
+    /// stand-ins ([`Weights::stand_ins`]). An error if the configuration builds no block.
+    pub fn weight_keys(&self) -> Result<Vec<String>> {
+        Ok(BasicTransformerBlock::load(Weights::stand_ins(), self)?.weight_keys())
+    }
+
     /// `n_heads * d_head`, the attention's inner width (an error if it overflows).
     pub fn inner_dim(&self) -> Result<i64> {
         self.n_heads
@@ -68,6 +75,8 @@ impl BlockConfig {
 
 /// `nn.LayerNorm(dim)`, eps 1e-5, with affine weight and bias.
 pub struct LayerNorm {
+    /// Its CompVis key ("norm1"): its weights' keys are this and `.weight`, `.bias`.
+    pub key: String,
     pub weight: Tensor,
     pub bias: Tensor,
     pub dim: i64,
@@ -75,7 +84,13 @@ pub struct LayerNorm {
 
 impl LayerNorm {
     fn load(w: &mut Weights, prefix: &str, dim: i64) -> Result<Self> {
-        Ok(LayerNorm { weight: w.take(prefix, "weight", &[dim])?, bias: w.take(prefix, "bias", &[dim])?, dim })
+        let (weight, bias) = (w.take(prefix, "weight", &[dim])?, w.take(prefix, "bias", &[dim])?);
+        Ok(LayerNorm { key: prefix.to_string(), weight, bias, dim })
+    }
+
+    /// Its weights by key: `weight`, `bias`.
+    fn named(&self) -> [(WeightKey<'_>, &Tensor); 2] {
+        [(WeightKey::new(&self.key, "weight"), &self.weight), (WeightKey::new(&self.key, "bias"), &self.bias)]
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -177,7 +192,7 @@ impl CrossAttention {
         Ok((q, out.f_transpose(1, 2)?.f_reshape([b, n, h * d])?))
     }
 
-    /// [`forward`](Self::forward) with an attention mask ([`crate::masks`]).
+    /// [`forward`](Self::forward) with an attention mask ([`crate::attention_extras`]).
     pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, mask: Option<&Tensor>) -> Result<Tensor> {
         if let Some(custom) = &self.custom_diffusion {
             let base = Base { q: &self.to_q, k: &self.to_k, v: &self.to_v, out: &self.to_out, heads: self.heads };
@@ -288,20 +303,23 @@ pub struct BasicTransformerBlock {
 impl BasicTransformerBlock {
     /// Builds the block from a state_dict with CompVis keys; every key must be used exactly once.
     pub fn from_weights(weights: HashMap<String, Tensor>, cfg: &BlockConfig) -> Result<Self> {
+        Self::load(Weights::new(weights), cfg)
+    }
+
+    fn load(mut weights: Weights, cfg: &BlockConfig) -> Result<Self> {
         if cfg.dim <= 0 || cfg.n_heads <= 0 || cfg.d_head <= 0 || cfg.context_dim.is_some_and(|c| c <= 0) {
             return Err(Error::config(format!("dimensions must be positive: {cfg:?}")));
         }
         cfg.inner_dim()?;
         let (dim, context_dim) = (cfg.dim, cfg.context_dim.unwrap_or(cfg.dim));
-        let w = &mut Weights::new(weights);
+        let w = &mut weights;
         let attn1 = CrossAttention::load(w, "attn1", dim, dim, cfg)?;
         let ff = FeedForward::load(w, "ff", dim, cfg)?;
         let attn2 = CrossAttention::load(w, "attn2", dim, context_dim, cfg)?;
         let norm1 = LayerNorm::load(w, "norm1", dim)?;
         let norm2 = LayerNorm::load(w, "norm2", dim)?;
         let norm3 = LayerNorm::load(w, "norm3", dim)?;
-        let w = std::mem::replace(w, Weights::new(HashMap::new()));
-        let (kind, device, name) = w.finish()?;
+        let (kind, device, name) = weights.finish()?;
         let mut block = BasicTransformerBlock {
             attn1,
             ff,
@@ -321,25 +339,26 @@ impl BasicTransformerBlock {
 
     /// `op_plus_x`, out of place: `x` is only borrowed, so it cannot be mutated.
     pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
-        self.forward_masked(x, context, Masks::NONE)
+        self.forward_masked(x, context, AttentionExtras::NONE)
     }
 
-    /// [`forward`](Self::forward) with attention masks ([`crate::masks`]).
-    pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<Tensor> {
+    /// [`forward`](Self::forward) with the attentions' masks and IP-Adapter's image embeddings
+    /// ([`AttentionExtras`]).
+    pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, extras: AttentionExtras<'_>) -> Result<Tensor> {
         self.check_inputs(x, context)?;
-        self.check_masks(x, context, masks)?;
-        let x = self.attn1.forward_masked(&self.norm1.forward(x)?, None, masks.attn1)?.f_add(x)?;
-        let x = self.attn2_forward(&self.norm2.forward(&x)?, context, masks)?.f_add(&x)?;
+        self.check_masks(x, context, extras)?;
+        let x = self.attn1.forward_masked(&self.norm1.forward(x)?, None, extras.attn1)?.f_add(x)?;
+        let x = self.attn2_forward(&self.norm2.forward(&x)?, context, extras)?.f_add(&x)?;
         let x = self.ff.forward(&self.norm3.forward(&x)?)?.f_add(&x)?;
         Ok(x)
     }
 
     /// `attn2`: the cross-attention, with IP-Adapter's when the block carries adapters.
-    fn attn2_forward(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<Tensor> {
-        if self.attn2.ip_adapter.is_empty() && masks.ip_adapter.is_empty() {
-            return self.attn2.forward_masked(x, context, masks.attn2);
+    fn attn2_forward(&self, x: &Tensor, context: Option<&Tensor>, extras: AttentionExtras<'_>) -> Result<Tensor> {
+        if self.attn2.ip_adapter.is_empty() && extras.ip_adapter.is_empty() {
+            return self.attn2.forward_masked(x, context, extras.attn2);
         }
-        self.attn2.forward_ip(x, context, masks.attn2, masks.ip_adapter)
+        self.attn2.forward_ip(x, context, extras.attn2, extras.ip_adapter)
     }
 
     /// `iadd` made safe: the caller gave `x` up (it is moved in), and the `&NoGrad` proof
@@ -355,7 +374,7 @@ impl BasicTransformerBlock {
     /// [`Failure::Unwritten`]. After the first write, `x`'s buffer is consumed:
     /// [`Failure::Consumed`].
     pub fn try_forward_owned(&self, x: Tensor, context: Option<&Tensor>, no_grad: &NoGrad) -> Result<Tensor, Failure> {
-        self.forward_owned_by(x, context, Masks::NONE, no_grad, &Caller::RUST)
+        self.forward_owned_by(x, context, AttentionExtras::NONE, no_grad, &Caller::RUST)
     }
 
     /// [`try_forward_owned`](Self::try_forward_owned) for a given [`Caller`] (the Python glue).
@@ -363,26 +382,26 @@ impl BasicTransformerBlock {
         &self,
         mut x: Tensor,
         context: Option<&Tensor>,
-        masks: Masks<'_>,
+        extras: AttentionExtras<'_>,
         _grad_off: &NoGrad,
         caller: &Caller,
     ) -> Result<Tensor, Failure> {
         let first = self
             .check_inputs(&x, context)
-            .and_then(|()| self.check_masks(&x, context, masks))
+            .and_then(|()| self.check_masks(&x, context, extras))
             .and_then(|()| check_owned_by(&x, context, caller));
         // Up to and including the first `add_`, nothing is written: libtorch's add_ checks its
         // arguments (shapes, dtypes, inference tensors) before its kernel runs.
         let first = first
             .and_then(|()| failpoint::check(Step::BeforeFirstWrite))
-            .and_then(|()| self.attn1.forward_masked(&self.norm1.forward(&x)?, None, masks.attn1))
+            .and_then(|()| self.attn1.forward_masked(&self.norm1.forward(&x)?, None, extras.attn1))
             .and_then(|h| add_into(&mut x, &h, caller));
         if let Err(e) = first {
             return Err(Failure::Unwritten(e, x));
         }
         let mut rest = || -> Result<()> {
             failpoint::check(Step::AfterFirstWrite)?;
-            let h = self.attn2_forward(&self.norm2.forward(&x)?, context, masks)?;
+            let h = self.attn2_forward(&self.norm2.forward(&x)?, context, extras)?;
             add_into(&mut x, &h, caller)?;
             let h = self.ff.forward(&self.norm3.forward(&x)?)?;
             add_into(&mut x, &h, caller)?;
@@ -392,35 +411,43 @@ impl BasicTransformerBlock {
         Ok(x)
     }
 
-    /// Every weight, in state_dict order ([`weight_keys`](Self::weight_keys)).
-    /// The LoRA terms' weights come last, in [`BlockConfig::lora`] order.
-    pub fn weights(&self) -> Vec<&Tensor> {
+    /// Every weight with its CompVis key, in the order the custom ops take them: the PyTorch
+    /// block's (`attn1`'s, `attn2`'s, the feed-forward's, the norms'), then the LoRA terms' (in
+    /// [`BlockConfig::lora`] order), IP-Adapter's and Custom Diffusion's. The one list of the block's weights:
+    /// [`weights`](Self::weights) and [`weight_keys`](Self::weight_keys) read it.
+    pub fn named_weights(&self) -> Vec<(WeightKey<'_>, &Tensor)> {
         let mut w = Vec::with_capacity(16);
         for attn in [&self.attn1, &self.attn2] {
-            w.extend([&attn.to_q.weight, &attn.to_k.weight, &attn.to_v.weight, &attn.to_out.weight]);
-            w.extend(attn.to_out.bias.as_ref());
+            for lin in [&attn.to_q, &attn.to_k, &attn.to_v, &attn.to_out] {
+                w.extend(lin.named());
+            }
         }
         let (project_in, net_2) = self.ff.linears();
-        for lin in [project_in, net_2] {
-            w.push(&lin.weight);
-            w.extend(lin.bias.as_ref());
-        }
+        w.extend(project_in.named().chain(net_2.named()));
         for n in [&self.norm1, &self.norm2, &self.norm3] {
-            w.extend([&n.weight, &n.bias]);
+            w.extend(n.named());
         }
-        for t in self.lora_terms() {
-            w.extend(t.tensors());
+        let mut lora: Vec<&Lora> = self.lora_terms().collect(); // no allocation without LoRA terms
+        lora.sort_by_key(|t| t.index);
+        for t in lora {
+            w.extend(t.named());
         }
         for ip in &self.attn2.ip_adapter {
-            w.extend([&ip.to_k.weight, &ip.to_v.weight]);
+            w.extend(ip.to_k.named().chain(ip.to_v.named()));
         }
         for custom in [&self.attn1, &self.attn2].into_iter().filter_map(|a| a.custom_diffusion.as_ref()) {
-            w.extend(custom.weights());
+            w.extend(custom.named());
         }
         w
     }
 
-    /// Every LoRA term, linear by linear (no allocation: [`weights`](Self::weights) runs on every call).
+    /// Every weight, in [`named_weights`](Self::named_weights) order (it runs on every call: the
+    /// keys are not formatted).
+    pub fn weights(&self) -> Vec<&Tensor> {
+        self.named_weights().into_iter().map(|(_, t)| t).collect()
+    }
+
+    /// Every LoRA term, linear by linear.
     fn lora_terms(&self) -> impl Iterator<Item = &Lora> {
         let (project_in, net_2) = self.ff.linears();
         let [a1, a2] = [&self.attn1, &self.attn2];
@@ -430,34 +457,7 @@ impl BasicTransformerBlock {
 
     /// The CompVis key of each of [`weights`](Self::weights), in the same order.
     pub fn weight_keys(&self) -> Vec<String> {
-        let mut keys = Vec::with_capacity(16);
-        for attn in ["attn1", "attn2"] {
-            keys.extend(
-                ["to_q.weight", "to_k.weight", "to_v.weight", "to_out.0.weight", "to_out.0.bias"]
-                    .map(|k| format!("{attn}.{k}")),
-            );
-        }
-        let project_in = match self.ff.net_0 {
-            ProjectIn::GeGlu(_) => "ff.net.0.proj",
-            ProjectIn::Gelu(_) => "ff.net.0.0",
-        };
-        keys.extend([format!("{project_in}.weight"), format!("{project_in}.bias")]);
-        keys.extend(["ff.net.2.weight".to_string(), "ff.net.2.bias".to_string()]);
-        for norm in ["norm1", "norm2", "norm3"] {
-            keys.extend([format!("{norm}.weight"), format!("{norm}.bias")]);
-        }
-        for t in self.lora_terms() {
-            keys.extend(t.keys());
-        }
-        for i in 0..self.attn2.ip_adapter.len() {
-            keys.extend([format!("attn2.ip.{i}.to_k.weight"), format!("attn2.ip.{i}.to_v.weight")]);
-        }
-        for (attn, a) in [("attn1", &self.attn1), ("attn2", &self.attn2)] {
-            keys.extend(
-                a.custom_diffusion.iter().flat_map(|c| c.keys()).map(|k| format!("{attn}.custom_diffusion.{k}")),
-            );
-        }
-        keys
+        self.named_weights().into_iter().map(|(key, _)| key.to_string()).collect()
     }
 
     /// The sum of the weights' version counters: it changes with every in-place write to a
@@ -481,7 +481,7 @@ impl BasicTransformerBlock {
                 && w.f_kind().ok() == Some(self.kind)
                 && device(w) == Some(self.device.0);
             if !same {
-                let key = self.weight_keys().swap_remove(i);
+                let key = self.named_weights().get(i).map(|(key, _)| key.to_string()).unwrap_or_default();
                 let now = match w.f_kind() {
                     Ok(kind) => {
                         format!("{} of shape {:?} on {}", dtype_name(kind), size.unwrap_or_default(), device_name(w))
@@ -517,19 +517,20 @@ impl BasicTransformerBlock {
         Ok(())
     }
 
-    /// Checks the masks against `x` and `context` (already checked): [`crate::masks::check_mask`].
-    pub fn check_masks(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<()> {
-        if masks.attn1.is_none() && masks.attn2.is_none() {
+    /// Checks the masks of `extras` against `x` and `context` (already checked):
+    /// [`crate::attention_extras::check_mask`].
+    pub fn check_masks(&self, x: &Tensor, context: Option<&Tensor>, extras: AttentionExtras<'_>) -> Result<()> {
+        if extras.attn1.is_none() && extras.attn2.is_none() {
             return Ok(()); // the usual call: nothing to read
         }
         let tokens = |t: &Tensor| dense_size(t).and_then(|s| Some((*s.first()?, *s.get(1)?))).unwrap_or((0, 0));
         let (batch, queries) = tokens(x);
         let keys = context.map_or(queries, |c| tokens(c).1);
         let on = (self.device.0, self.device.1.as_str());
-        if let Some(m) = masks.attn1 {
+        if let Some(m) = extras.attn1 {
             check_mask("attention_mask", m, (batch, queries, queries), on)?;
         }
-        if let Some(m) = masks.attn2 {
+        if let Some(m) = extras.attn2 {
             check_mask("encoder_attention_mask", m, (batch, queries, keys), on)?;
         }
         Ok(())

@@ -11,11 +11,11 @@ use std::ptr::NonNull;
 use tch::Tensor;
 use torch_sys::C_tensor;
 
+use crate::attention_extras::AttentionExtras;
 use crate::block::{Attention, BlockConfig};
 use crate::error::{Error, Failure, Result};
 use crate::facts::version;
 use crate::failpoint::{self, Step};
-use crate::masks::Masks;
 use crate::ownership::{check_owned_by, Caller, NoGrad};
 
 #[repr(C)]
@@ -164,13 +164,14 @@ impl CppBlock {
 
     /// `forward(const at::Tensor& x, ...)`: out of place.
     pub fn forward(&self, x: &Tensor, context: Option<&Tensor>) -> Result<Tensor> {
-        self.forward_masked(x, context, Masks::NONE)
+        self.forward_masked(x, context, AttentionExtras::NONE)
     }
 
-    /// [`forward`](Self::forward) with attention masks ([`crate::masks`]; the caller checks them).
-    pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<Tensor> {
-        let (m1, m2) = (opt(masks.attn1), opt(masks.attn2));
-        let images: Vec<*const C_tensor> = masks.ip_adapter.iter().map(|t| t.as_ptr()).collect();
+    /// [`forward`](Self::forward) with the attentions' masks and IP-Adapter's image embeddings
+    /// ([`AttentionExtras`]; the caller checks the masks).
+    pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, extras: AttentionExtras<'_>) -> Result<Tensor> {
+        let (m1, m2) = (opt(extras.attn1), opt(extras.attn2));
+        let images: Vec<*const C_tensor> = extras.ip_adapter.iter().map(|t| t.as_ptr()).collect();
         let n = images.len() as i64;
         // SAFETY: `raw` is live; `x`, `context`, the masks and the images outlive the call.
         call(|err, len| unsafe {
@@ -191,7 +192,7 @@ impl CppBlock {
     /// first write is read from `x`'s version counter, which every in-place write bumps; an
     /// inference tensor has none, and its failure is [`Failure::Consumed`], to be safe.
     pub fn try_forward_owned(&self, x: Tensor, context: Option<&Tensor>, no_grad: &NoGrad) -> Result<Tensor, Failure> {
-        self.forward_owned_by(x, context, Masks::NONE, no_grad, &Caller::RUST)
+        self.forward_owned_by(x, context, AttentionExtras::NONE, no_grad, &Caller::RUST)
     }
 
     /// [`try_forward_owned`](Self::try_forward_owned) for a given [`Caller`] (the Python glue).
@@ -199,7 +200,7 @@ impl CppBlock {
         &self,
         x: Tensor,
         context: Option<&Tensor>,
-        masks: Masks<'_>,
+        extras: AttentionExtras<'_>,
         _grad_off: &NoGrad,
         caller: &Caller,
     ) -> Result<Tensor, Failure> {
@@ -207,8 +208,8 @@ impl CppBlock {
             return Err(Failure::Unwritten(e, x));
         }
         let before = version(&x);
-        let (m1, m2) = (opt(masks.attn1), opt(masks.attn2));
-        let images: Vec<*const C_tensor> = masks.ip_adapter.iter().map(|t| t.as_ptr()).collect();
+        let (m1, m2) = (opt(extras.attn1), opt(extras.attn2));
+        let images: Vec<*const C_tensor> = extras.ip_adapter.iter().map(|t| t.as_ptr()).collect();
         let n = images.len() as i64;
         // SAFETY: as above; the C++ side takes a second handle on `*x` for the call, so `x` still
         // holds the buffer if it throws.

@@ -1,5 +1,5 @@
-//! Custom Diffusion (issue 34) on an attention of the block: diffusers'
-//! `CustomDiffusionAttnProcessor2_0`, op for op, on the processor's own tensors, out of `block.rs`.
+//! Custom Diffusion on an attention of the block: diffusers' `CustomDiffusionAttnProcessor2_0`,
+//! op for op, on the processor's own tensors.
 //!
 //! Its weights, by CompVis-style key (`{attn}` is `attn1` or `attn2`):
 //! * `train_kv`: `{attn}.custom_diffusion.to_k.weight` and `{attn}.custom_diffusion.to_v.weight`
@@ -17,7 +17,7 @@ use tch::Tensor;
 
 use crate::error::{Error, Result};
 use crate::linear::Linear;
-use crate::weights::Weights;
+use crate::weights::{WeightKey, Weights};
 
 /// Which attention carries Custom Diffusion, and which of its layers it trains.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,22 +81,10 @@ impl CustomDiffusion {
         Ok(Some(CustomDiffusion { to_q, to_k, to_v, to_out }))
     }
 
-    /// Its layers, by name after `{attn}.custom_diffusion.`: to_q, to_k, to_v, to_out.0.
-    fn layers(&self) -> impl Iterator<Item = (&'static str, &Linear)> {
-        let layers = [("to_q", &self.to_q), ("to_k", &self.to_k), ("to_v", &self.to_v), ("to_out.0", &self.to_out)];
-        layers.into_iter().filter_map(|(name, l)| l.as_ref().map(|l| (name, l)))
-    }
-
-    /// Its weights, in [`keys`](Self::keys) order (no allocation: it runs on every call).
-    pub fn weights(&self) -> impl Iterator<Item = &Tensor> {
-        self.layers().flat_map(|(_, l)| std::iter::once(&l.weight).chain(l.bias.as_ref()))
-    }
-
-    /// Its weights' keys after `{attn}.custom_diffusion.`.
-    pub fn keys(&self) -> impl Iterator<Item = String> + '_ {
-        self.layers().flat_map(|(name, l)| {
-            std::iter::once(format!("{name}.weight")).chain(l.bias.as_ref().map(|_| format!("{name}.bias")))
-        })
+    /// Its weights by key (`{attn}.custom_diffusion.to_q.weight`, ...), layer by layer: to_q, to_k,
+    /// to_v, to_out.0.
+    pub fn named(&self) -> impl Iterator<Item = (WeightKey<'_>, &Tensor)> {
+        [&self.to_q, &self.to_k, &self.to_v, &self.to_out].into_iter().flatten().flat_map(Linear::named)
     }
 
     /// diffusers' `CustomDiffusionAttnProcessor2_0.__call__`: `x` the hidden states, `context` the

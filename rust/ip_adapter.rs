@@ -1,5 +1,5 @@
-//! IP-Adapter (issue 34) on `attn2`: diffusers' `IPAdapterAttnProcessor2_0`'s decoupled
-//! cross-attention, out of `block.rs` (`CrossAttention::forward_ip` adds the terms).
+//! IP-Adapter on `attn2`: diffusers' `IPAdapterAttnProcessor2_0`'s decoupled cross-attention
+//! (`CrossAttention::forward_ip` adds the terms).
 
 use tch::Tensor;
 

@@ -10,6 +10,7 @@
 // `cognitive-complexity-threshold` (make lint's -D warnings turns this warning into a failure).
 #![warn(clippy::cognitive_complexity)]
 
+pub mod attention_extras;
 pub mod block;
 pub mod cpp;
 pub mod custom_diffusion;
@@ -17,7 +18,6 @@ pub mod error;
 pub mod facts;
 pub mod ip_adapter;
 pub mod linear;
-pub mod masks;
 pub mod ownership;
 pub mod weights;
 
@@ -36,7 +36,7 @@ pub mod testing;
 #[cfg(feature = "python")]
 mod python;
 
+pub use attention_extras::AttentionExtras;
 pub use block::{AddInPlace, Attention, BasicTransformerBlock, BlockConfig, CustomDiffusionSpec, LoraSpec};
 pub use error::{Error, Failure, Result};
-pub use masks::Masks;
 pub use ownership::NoGrad;

@@ -1,10 +1,9 @@
-//! `nn.Linear`, and PEFT's LoRA terms on it (issue 26) and DoRA (issue 34), out of `block.rs`:
-//! what every projection of the block computes.
+//! `nn.Linear`, and PEFT's LoRA and DoRA terms on it: what every projection of the block computes.
 
 use tch::Tensor;
 
 use crate::error::Result;
-use crate::weights::Weights;
+use crate::weights::{WeightKey, Weights};
 
 /// One LoRA term of a linear layer (PEFT's `lora.Linear`, one active adapter): its weights are
 /// `{linear}.lora.{i}.A.weight` (rank x in), `{linear}.lora.{i}.B.weight` (out x rank), with
@@ -23,6 +22,8 @@ pub struct LoraSpec {
 
 /// `nn.Linear`: `x @ weight.T + bias`, plus PEFT's LoRA terms when it carries adapters.
 pub struct Linear {
+    /// Its CompVis key ("attn1.to_q", "ff.net.2", ...): its weights' keys are this and `.weight`, `.bias`.
+    pub key: String,
     pub weight: Tensor,
     pub bias: Option<Tensor>,
     pub lora: Vec<Lora>,
@@ -33,6 +34,8 @@ pub struct Linear {
 pub struct Lora {
     /// `{linear}.lora.{i}`: its weights' keys are this and `.A.weight`, `.B.weight`, `.B.bias`, `.magnitude`.
     pub key: String,
+    /// `i`: its index in [`BlockConfig::lora`](crate::BlockConfig::lora).
+    pub index: usize,
     pub a: Tensor,
     pub b: Tensor,
     pub b_bias: Option<Tensor>,
@@ -41,16 +44,12 @@ pub struct Lora {
 }
 
 impl Lora {
-    /// Its weights, in the order of [`keys`](Self::keys).
-    pub fn tensors(&self) -> impl Iterator<Item = &Tensor> {
-        [&self.a, &self.b].into_iter().chain(self.b_bias.as_ref()).chain(self.magnitude.as_ref())
-    }
-
-    /// Its weights' keys: `A.weight`, `B.weight`, then `B.bias` and `magnitude` where it has them.
-    pub fn keys(&self) -> impl Iterator<Item = String> + '_ {
-        let optional = [("B.bias", self.b_bias.is_some()), ("magnitude", self.magnitude.is_some())];
-        let parts = ["A.weight", "B.weight"].into_iter().chain(optional.into_iter().filter(|p| p.1).map(|p| p.0));
-        parts.map(move |p| format!("{}.{p}", self.key))
+    /// Its weights by key: `A.weight`, `B.weight`, then `B.bias` and `magnitude` where it has them.
+    pub fn named(&self) -> impl Iterator<Item = (WeightKey<'_>, &Tensor)> {
+        let optional = [("B.bias", self.b_bias.as_ref()), ("magnitude", self.magnitude.as_ref())];
+        let tensors = [("A.weight", &self.a), ("B.weight", &self.b)].into_iter();
+        let tensors = tensors.chain(optional.into_iter().filter_map(|(name, t)| Some((name, t?))));
+        tensors.map(|(name, t)| (WeightKey::new(&self.key, name), t))
     }
 
     /// `lora_B(lora_A(x))`.
@@ -77,9 +76,15 @@ impl Linear {
             let magnitude =
                 if spec.dora { Some(w.take(prefix, &format!("lora.{i}.magnitude"), &[d_out])?) } else { None };
             let key = format!("{prefix}.lora.{i}");
-            terms.push(Lora { key, a, b, b_bias, scaling: spec.scaling, magnitude });
+            terms.push(Lora { key, index: i, a, b, b_bias, scaling: spec.scaling, magnitude });
         }
-        Ok(Linear { weight, bias, lora: terms })
+        Ok(Linear { key: prefix.to_string(), weight, bias, lora: terms })
+    }
+
+    /// Its own weights by key, `weight` then `bias` (its LoRA terms' are theirs: [`Lora::named`]).
+    pub fn named(&self) -> impl Iterator<Item = (WeightKey<'_>, &Tensor)> {
+        let bias = self.bias.as_ref().map(|b| (WeightKey::new(&self.key, "bias"), b));
+        std::iter::once((WeightKey::new(&self.key, "weight"), &self.weight)).chain(bias)
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {

@@ -1,12 +1,15 @@
-//! Issue 26 on the Rust side: attention masks (`Masks`, diffusers' semantics) and PEFT LoRA terms
-//! (`BlockConfig::lora`) in the Rust block; the C++ twin's masks; errors, not panics.
+//! The Rust block's extras and adapters: attention masks (diffusers' semantics) and IP-Adapter's
+//! image embeddings (`AttentionExtras`), PEFT LoRA and DoRA terms (`BlockConfig::lora`), Custom
+//! Diffusion; the C++ twin's masks; errors, not panics.
 #![allow(clippy::disallowed_methods)] // tests use tch as its users do: a panic fails the test
 
 use std::collections::HashMap;
 
 use plusequals::cpp::CppBlock;
 use plusequals::testing::{small_config, small_inputs, small_weights, Normal};
-use plusequals::{Attention, BasicTransformerBlock, BlockConfig, CustomDiffusionSpec, Error, LoraSpec, Masks};
+use plusequals::{
+    Attention, AttentionExtras, BasicTransformerBlock, BlockConfig, CustomDiffusionSpec, Error, LoraSpec,
+};
 use tch::{Device, Kind, Tensor};
 
 fn block(attention: Attention) -> BasicTransformerBlock {
@@ -29,11 +32,22 @@ fn masks_follow_diffusers_semantics_in_both_attention_paths() -> plusequals::Res
     for attention in [Attention::Sdpa, Attention::Einsum] {
         let b = block(attention);
         let plain = b.forward(&x, Some(&c))?;
-        let zeroed = b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&zero), ..Masks::NONE })?;
+        let zeroed = b.forward_masked(
+            &x,
+            Some(&c),
+            AttentionExtras { attn1: None, attn2: Some(&zero), ..AttentionExtras::NONE },
+        )?;
         assert!(rel_err(&zeroed, &plain) <= 1e-6, "a zero bias changes nothing");
-        let by_bool = b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&keep), ..Masks::NONE })?;
-        let by_bias =
-            b.forward_masked(&x, Some(&c), Masks { attn1: None, attn2: Some(&bias.unsqueeze(1)), ..Masks::NONE })?;
+        let by_bool = b.forward_masked(
+            &x,
+            Some(&c),
+            AttentionExtras { attn1: None, attn2: Some(&keep), ..AttentionExtras::NONE },
+        )?;
+        let by_bias = b.forward_masked(
+            &x,
+            Some(&c),
+            AttentionExtras { attn1: None, attn2: Some(&bias.unsqueeze(1)), ..AttentionExtras::NONE },
+        )?;
         assert!(rel_err(&by_bool, &plain) > 1e-3, "hiding keys changes the output");
         assert!(rel_err(&by_bool, &by_bias) <= 1e-5, "-10000 and a boolean mask hide the same keys");
         outs.push(by_bool);
@@ -51,9 +65,9 @@ fn the_cpp_twin_computes_the_same_masked_block() -> plusequals::Result<()> {
         let mut w: Vec<(String, Tensor)> = small_weights(0)?.into_iter().collect();
         w.sort_by(|a, b| a.0.cmp(&b.0));
         let cpp = CppBlock::from_weights(&w, &cfg)?;
-        let masks = Masks { attn1: Some(&mask), attn2: None, ..Masks::NONE };
-        let rust = block(attention).forward_masked(&x, Some(&c), masks)?;
-        assert!(cpp.forward_masked(&x, Some(&c), masks)?.equal(&rust), "the same ops in the same order");
+        let extras = AttentionExtras { attn1: Some(&mask), attn2: None, ..AttentionExtras::NONE };
+        let rust = block(attention).forward_masked(&x, Some(&c), extras)?;
+        assert!(cpp.forward_masked(&x, Some(&c), extras)?.equal(&rust), "the same ops in the same order");
     }
     Ok(())
 }
@@ -69,12 +83,12 @@ fn bad_masks_are_errors_naming_the_argument() -> plusequals::Result<()> {
         (f(&[2, 7], Kind::Int64), false, "encoder_attention_mask dtype torch.int64 is neither bool nor floating point"),
     ];
     for (mask, first, want) in cases {
-        let masks = if first {
-            Masks { attn1: Some(&mask), attn2: None, ..Masks::NONE }
+        let extras = if first {
+            AttentionExtras { attn1: Some(&mask), attn2: None, ..AttentionExtras::NONE }
         } else {
-            Masks { attn1: None, attn2: Some(&mask), ..Masks::NONE }
+            AttentionExtras { attn1: None, attn2: Some(&mask), ..AttentionExtras::NONE }
         };
-        let err = b.forward_masked(&x, Some(&c), masks).expect_err(want);
+        let err = b.forward_masked(&x, Some(&c), extras).expect_err(want);
         assert!(matches!(err, Error::Input { .. }) && err.to_string().contains(want), "{err} should say {want:?}");
     }
     Ok(())
@@ -131,7 +145,7 @@ fn lora_weights_are_taken_by_key_and_the_cpp_twin_refuses_them() -> plusequals::
     Ok(())
 }
 
-/// Issue 34: IP-Adapter on attn2 (`BlockConfig::ip_adapter`, `Masks::ip_adapter`): an adapter at
+/// IP-Adapter on attn2 (`BlockConfig::ip_adapter`, `AttentionExtras::ip_adapter`): an adapter at
 /// scale 0 is skipped (the plain block's output, bitwise), one at a non-zero scale changes the
 /// output, the image count must match, the weights are taken by key, and the C++ twin refuses it.
 #[test]
@@ -151,7 +165,7 @@ fn ip_adapter_terms_scales_and_refusals() -> plusequals::Result<()> {
         BasicTransformerBlock::from_weights(w, &cfg)?.forward_masked(
             &x,
             Some(&c),
-            Masks { ip_adapter: &images, ..Masks::NONE },
+            AttentionExtras { ip_adapter: &images, ..AttentionExtras::NONE },
         )
     };
     let plain = block(Attention::Sdpa).forward(&x, Some(&c))?;
@@ -161,7 +175,9 @@ fn ip_adapter_terms_scales_and_refusals() -> plusequals::Result<()> {
     assert!(rel_err(&with(vec![0.5, 1.0])?, &one) > 1e-3, "so does the second");
     let cfg = BlockConfig { ip_adapter: vec![1.0, 1.0], ..small_config(Attention::Sdpa) };
     let b = BasicTransformerBlock::from_weights(w.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect(), &cfg)?;
-    let err = b.forward_masked(&x, Some(&c), Masks { ip_adapter: &images[..1], ..Masks::NONE }).err();
+    assert_eq!(cfg.weight_keys()?, b.weight_keys(), "the configuration's keys are its block's");
+    let err =
+        b.forward_masked(&x, Some(&c), AttentionExtras { ip_adapter: &images[..1], ..AttentionExtras::NONE }).err();
     assert!(matches!(err, Some(Error::Input { .. })), "{err:?}");
     let cfg = BlockConfig { ip_adapter: vec![1.0, 1.0, 1.0], ..small_config(Attention::Sdpa) };
     let err =
@@ -173,14 +189,15 @@ fn ip_adapter_terms_scales_and_refusals() -> plusequals::Result<()> {
     let rust = with(vec![0.5, 1.0])?;
     let w: Vec<(String, Tensor)> = w.into_iter().collect();
     let cpp = CppBlock::from_weights(&w, &cfg)?;
-    let masks = Masks { ip_adapter: &images, ..Masks::NONE };
-    assert!(cpp.forward_masked(&x, Some(&c), masks)?.equal(&rust));
-    let err = cpp.forward_masked(&x, Some(&c), Masks { ip_adapter: &images[..1], ..Masks::NONE }).err();
+    let extras = AttentionExtras { ip_adapter: &images, ..AttentionExtras::NONE };
+    assert!(cpp.forward_masked(&x, Some(&c), extras)?.equal(&rust));
+    let err =
+        cpp.forward_masked(&x, Some(&c), AttentionExtras { ip_adapter: &images[..1], ..AttentionExtras::NONE }).err();
     assert!(err.is_some_and(|e| e.to_string().contains("1 image embeddings for 2 IP-Adapters")));
     Ok(())
 }
 
-/// Issue 34: Custom Diffusion (`BlockConfig::custom_diffusion`, rust/custom_diffusion.rs): with its
+/// Custom Diffusion (`BlockConfig::custom_diffusion`, rust/custom_diffusion.rs): with its
 /// own layers equal to the attention's it computes the plain block's values (the detach keeps them;
 /// SDPA's default scale instead of d_head ** -0.5), the first context token gets no gradient, and a
 /// mask, a missing key, heads * d_head != dim and the C++ twin are errors.
@@ -196,6 +213,7 @@ fn custom_diffusion_layers_detach_and_refusals() -> plusequals::Result<()> {
     let cfg = BlockConfig { custom_diffusion: vec![spec("attn2")], ..small_config(Attention::Sdpa) };
     let shared = |w: &HashMap<String, Tensor>| w.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect();
     let b = BasicTransformerBlock::from_weights(shared(&w), &cfg)?;
+    assert_eq!(cfg.weight_keys()?, b.weight_keys(), "the configuration's keys are its block's");
     let (x, c) = small_inputs()?;
     let c = c.set_requires_grad(true);
     let y = b.forward(&x, Some(&c))?;
@@ -205,7 +223,7 @@ fn custom_diffusion_layers_detach_and_refusals() -> plusequals::Result<()> {
     assert_eq!(grad.narrow(1, 0, 1).abs().sum(Kind::Float).double_value(&[]), 0.0, "the first token: detached");
     assert!(grad.narrow(1, 1, 6).abs().sum(Kind::Float).double_value(&[]) > 0.0);
     let mask = Tensor::zeros([2, 1, 7], (Kind::Float, Device::Cpu));
-    let err = b.forward_masked(&x, Some(&c), Masks { attn2: Some(&mask), ..Masks::NONE }).err();
+    let err = b.forward_masked(&x, Some(&c), AttentionExtras { attn2: Some(&mask), ..AttentionExtras::NONE }).err();
     assert!(matches!(err, Some(Error::Input { .. })), "{err:?}");
     let cfg = BlockConfig { custom_diffusion: vec![spec("attn1"), spec("attn2")], ..small_config(Attention::Sdpa) };
     let err = BasicTransformerBlock::from_weights(shared(&w), &cfg).err();
@@ -218,7 +236,7 @@ fn custom_diffusion_layers_detach_and_refusals() -> plusequals::Result<()> {
     Ok(())
 }
 
-/// Issue 34: a DoRA term (`LoraSpec::dora`) equals the linear layer whose weight is DoRA's merged
+/// A DoRA term (`LoraSpec::dora`) equals the linear layer whose weight is DoRA's merged
 /// one, `m / ‖W + s·BA‖ * (W + s·BA)` row by row (the bias unscaled), within 1e-5; its magnitude
 /// is taken by key, with the layer's output width.
 #[test]
@@ -244,6 +262,7 @@ fn dora_terms_equal_their_merged_weights() -> plusequals::Result<()> {
     let (x, c) = small_inputs()?;
     let dora = BasicTransformerBlock::from_weights(weights, &cfg)?;
     let keys = dora.weight_keys();
+    assert_eq!(cfg.weight_keys()?, keys, "the configuration's keys are its block's");
     assert_eq!(
         keys[keys.len() - 3..],
         ["ff.net.2.lora.0.A.weight", "ff.net.2.lora.0.B.weight", "ff.net.2.lora.0.magnitude"]

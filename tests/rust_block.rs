@@ -43,6 +43,34 @@ fn einsum_and_sdpa_agree() -> plusequals::Result<()> {
     Ok(())
 }
 
+/// The keys: one list (`named_weights`), the same for the configuration (built on stand-ins) as
+/// for the block built on the state_dict, each key of which it names once, with its tensor.
+#[test]
+fn a_configuration_names_the_keys_its_block_takes() -> plusequals::Result<()> {
+    for gated_ff in [true, false] {
+        let cfg = BlockConfig { gated_ff, ..config(Attention::Sdpa) };
+        let mut w = weights(0);
+        if !gated_ff {
+            for part in ["weight", "bias"] {
+                let t = w.remove(&format!("ff.net.0.proj.{part}")).expect("the gated projection");
+                w.insert(format!("ff.net.0.0.{part}"), t.narrow(0, 0, 128));
+            }
+        }
+        let expected: HashMap<String, Tensor> = w.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+        let block = BasicTransformerBlock::from_weights(w, &cfg)?;
+        assert_eq!(cfg.weight_keys()?, block.weight_keys());
+        let named = block.named_weights();
+        assert_eq!(named.len(), expected.len());
+        for (key, t) in named {
+            let e = &expected[&key.to_string()];
+            assert!(t.data_ptr() == e.data_ptr() && t.size() == e.size(), "{key}");
+        }
+    }
+    let err = BlockConfig { dim: 0, ..config(Attention::Sdpa) }.weight_keys().err();
+    assert!(matches!(err, Some(Error::Config(_))), "{err:?}");
+    Ok(())
+}
+
 #[test]
 fn bad_weights_are_errors_naming_the_key() {
     let cfg = config(Attention::Sdpa);
@@ -92,8 +120,8 @@ fn bad_inputs_are_errors_not_panics() -> plusequals::Result<()> {
     Ok(())
 }
 
-/// The guard against issue 9 coming back: test data must not depend on libtorch's global RNG,
-/// which other test threads reseed and draw from. Two threads build the same block while a third
+/// Test data must not depend on libtorch's global RNG, which other test threads reseed and draw
+/// from. Two threads build the same block while a third
 /// keeps reseeding and drawing; the weights and outputs must be bitwise equal.
 #[test]
 fn test_data_is_bitwise_equal_across_threads_while_the_global_rng_is_in_use() {

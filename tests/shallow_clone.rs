@@ -1,8 +1,8 @@
 //! `Tensor::shallow_clone` makes a second owned handle on the same `at::Tensor`, and rustc sees
-//! two independent values. Moving one of them into the in-place forward used to mutate what the
-//! other reads: the seed's caller-aliasing bug, compiled without complaint. rustc still cannot
-//! see it; libtorch can (two handles on one `TensorImpl`), and `forward_owned` now asks it
-//! before the first write. `tests/alias_routes.rs` has the other routes.
+//! two independent values: moving one of them into an unchecked in-place forward would mutate
+//! what the other reads (the caller-aliasing bug), and it compiles without complaint. rustc cannot
+//! see it; libtorch can (two handles on one `TensorImpl`), and `forward_owned` asks it before the
+//! first write. `tests/alias_routes.rs` has the other routes.
 #![allow(clippy::disallowed_methods)] // tests use tch as its users do: a panic fails the test
 
 use plusequals::ownership::{Alias, Holders};

@@ -188,11 +188,29 @@ def test_errors_are_classes_made_in_rust_and_re_exported():
     import plusequals
     from plusequals import _rust, errors
 
-    for name in ("OwnershipError", "UnsupportedBlockError", "StaleBlock", "WeightsChanged", "DonationConsumed"):
+    names = ("OwnershipError", "UnsupportedBlockError", "StaleBlock", "WeightsChanged", "DonationConsumed")
+    for name in (*names, "UseAfterDonation"):
         cls = getattr(plusequals, name)
         assert cls is getattr(_rust, name) is getattr(errors, name)
         assert cls.__module__ == "plusequals", cls.__module__
     assert issubclass(plusequals.OwnershipError, ValueError) and issubclass(plusequals.WeightsChanged, RuntimeError)
+
+
+def test_the_weight_keys_come_from_rust_and_are_the_pytorch_blocks_state_dict():
+    from plusequals import _rust
+    from plusequals.model.blocks import BasicTransformerBlock
+    from plusequals.twin.config import BlockConfig
+
+    for gated in (True, False):
+        config = BlockConfig(32, 4, 8, 24, gated, "sdpa")
+        assert list(config.keys) == _rust.weight_keys(**config._asdict())
+        block = BasicTransformerBlock(32, 4, 8, context_dim=24, gated_ff=gated)
+        assert sorted(config.keys) == sorted(block.state_dict())
+    lora = (("attn1.to_q", 4, 1.0, False, False), ("ff.net.2", 2, 0.5, True, True), ("attn1.to_q", 3, 1.0, True, False))
+    terms = [
+        int(k.split(".lora.")[1].split(".")[0]) for k in BlockConfig(32, 4, 8, 24, True, "sdpa", lora=lora).keys[20:]
+    ]
+    assert terms == [0, 0, 1, 1, 1, 1, 2, 2, 2], terms  # in BlockConfig.lora order, each term's weights together
 
 
 def test_importing_plusequals_leaves_dynamo_unimported_and_the_trace_check_marked_as_torch_marks():

@@ -16,27 +16,41 @@ __all__ = [
     "StaleBlock",
     "TCH_VERSION",
     "UnsupportedBlockError",
+    "UseAfterDonation",
     "Watch",
     "WeightsChanged",
     "_fail_next_forward_owned_at",
     "alias_routes",
     "cpp_gallery",
     "tensor_facts",
+    "weight_keys",
 ]
 
 TCH_VERSION: str
 RUSTC_VERSION: str
 
 class OwnershipError(ValueError):
-    arg: str
-    why: str
-    count: Optional[int]
-    modes: List[str]
+    def __init__(
+        self, message: str, arg: str, why: str, count: Optional[int] = None, modes: Sequence[str] = ()
+    ) -> None: ...
+    @property
+    def arg(self) -> str: ...
+    @property
+    def why(self) -> str: ...
+    @property
+    def count(self) -> Optional[int]: ...
+    @property
+    def modes(self) -> List[str]: ...
 
 class UnsupportedBlockError(ValueError): ...
 class StaleBlock(ValueError): ...
 class WeightsChanged(RuntimeError): ...
 class DonationConsumed(RuntimeError): ...
+
+class UseAfterDonation(DonationConsumed):
+    def __init__(self, message: str, op: str) -> None: ...
+    @property
+    def op(self) -> str: ...
 
 @final
 class Watch:
@@ -116,6 +130,19 @@ class Block:
         watch: Optional[Watch] = None,
     ) -> Tensor: ...
 
+def weight_keys(
+    *,
+    dim: int,
+    n_heads: int,
+    d_head: int,
+    context_dim: Optional[int] = None,
+    gated_ff: bool = True,
+    attention: str = "sdpa",
+    language: str = "rust",
+    lora: Sequence[Tuple[str, int, float, bool, bool]] = ...,
+    ip_adapter: Sequence[float] = ...,
+    custom_diffusion: Sequence[Tuple[str, bool, bool, bool]] = ...,
+) -> List[str]: ...
 def alias_routes() -> List[Tuple[str, str]]: ...
 def cpp_gallery() -> List[Tuple[str, bool, str]]: ...
 def tensor_facts(t: Tensor) -> Dict[str, Any]: ...

@@ -11,11 +11,58 @@ use super::donation::{check_dispatch_modes, check_donation, donate_into};
 use super::errors::to_py;
 use super::twins::{masks_of, SharedBlock, Twins};
 use super::watch::{check_watch, PyWatch};
+use crate::attention_extras::AttentionExtras;
 use crate::block::deep_copy;
 use crate::cpp::CppBlock;
-use crate::masks::Masks;
 use crate::ownership::Caller;
 use crate::{BasicTransformerBlock, BlockConfig, CustomDiffusionSpec, LoraSpec, NoGrad, Result};
+
+/// The CompVis keys of the weights a block of this configuration takes (`_rust.Block`'s keyword
+/// arguments; the same in either language), in the order the custom ops take them:
+/// `BlockConfig::weight_keys`, the one list of them (`plusequals.twin.config` reads it).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (*, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa", language="rust", lora=Vec::new(), ip_adapter=Vec::new(), custom_diffusion=Vec::new()))]
+pub(super) fn weight_keys(
+    dim: i64,
+    n_heads: i64,
+    d_head: i64,
+    context_dim: Option<i64>,
+    gated_ff: bool,
+    attention: &str,
+    language: &str,
+    lora: Vec<(String, i64, f64, bool, bool)>,
+    ip_adapter: Vec<f64>,
+    custom_diffusion: Vec<(String, bool, bool, bool)>,
+) -> PyResult<Vec<String>> {
+    if !matches!(language, "rust" | "cpp") {
+        return Err(PyValueError::new_err(format!("language must be 'rust' or 'cpp', got {language:?}")));
+    }
+    let cfg =
+        block_config((dim, n_heads, d_head, context_dim), gated_ff, attention, lora, ip_adapter, custom_diffusion)?;
+    cfg.weight_keys().map_err(to_py)
+}
+
+/// The configuration from `_rust.Block`'s keyword arguments.
+fn block_config(
+    (dim, n_heads, d_head, context_dim): (i64, i64, i64, Option<i64>),
+    gated_ff: bool,
+    attention: &str,
+    lora: Vec<(String, i64, f64, bool, bool)>,
+    ip_adapter: Vec<f64>,
+    custom_diffusion: Vec<(String, bool, bool, bool)>,
+) -> PyResult<BlockConfig> {
+    let lora = lora
+        .into_iter()
+        .map(|(linear, rank, scaling, bias, dora)| LoraSpec { linear, rank, scaling, bias, dora })
+        .collect();
+    let custom_diffusion = custom_diffusion
+        .into_iter()
+        .map(|(attn, train_kv, train_q_out, out_bias)| CustomDiffusionSpec { attn, train_kv, train_q_out, out_bias })
+        .collect();
+    let attention = attention.parse().map_err(to_py)?;
+    Ok(BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention, lora, ip_adapter, custom_diffusion })
+}
 
 /// The Rust `BasicTransformerBlock` (or, with `language="cpp"`, its C++ twin). Use it through
 /// `plusequals.RustBlock` / `plusequals.CppBlock`.
@@ -42,22 +89,8 @@ impl PyBlock {
         ip_adapter: Vec<f64>,
         custom_diffusion: Vec<(String, bool, bool, bool)>,
     ) -> PyResult<Self> {
-        let lora = lora
-            .into_iter()
-            .map(|(linear, rank, scaling, bias, dora)| LoraSpec { linear, rank, scaling, bias, dora })
-            .collect();
-        let custom_diffusion = custom_diffusion
-            .into_iter()
-            .map(|(attn, train_kv, train_q_out, out_bias)| CustomDiffusionSpec {
-                attn,
-                train_kv,
-                train_q_out,
-                out_bias,
-            })
-            .collect();
-        let attention = attention.parse().map_err(to_py)?;
-        let cfg =
-            BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention, lora, ip_adapter, custom_diffusion };
+        let dims = (dim, n_heads, d_head, context_dim);
+        let cfg = block_config(dims, gated_ff, attention, lora, ip_adapter, custom_diffusion)?;
         let mut weights: Vec<(String, Tensor)> = weights.into_iter().map(|(k, v)| (k, v.0)).collect();
         weights.sort_by(|a, b| a.0.cmp(&b.0));
         let cpp = match language {
@@ -71,7 +104,7 @@ impl PyBlock {
     }
 
     /// `op_plus_x` out of place; the GIL is released while libtorch computes. `watch`: see
-    /// [`PyWatch`]; the masks and IP-Adapter's image embeddings (`ip_adapter`): see `crate::masks`.
+    /// [`PyWatch`]; the masks and IP-Adapter's image embeddings (`ip_adapter`): see `crate::attention_extras`.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (x, context=None, watch=None, attention_mask=None, encoder_attention_mask=None, ip_adapter=Vec::new()))]
     pub(super) fn forward(
@@ -90,8 +123,8 @@ impl PyBlock {
         let images: Vec<Tensor> = ip_adapter.into_iter().map(|t| t.0).collect();
         let block = &self.block;
         py.allow_threads(move || {
-            let masks = Masks { ip_adapter: &images, ..masks_of(&masks) };
-            block.get().forward(&x, context.as_ref(), masks)
+            let extras = AttentionExtras { ip_adapter: &images, ..masks_of(&masks) };
+            block.get().forward(&x, context.as_ref(), extras)
         })
         .map(PyTensor)
         .map_err(to_py)

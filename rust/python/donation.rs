@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use tch::Tensor;
 
-use super::errors::{to_py, DonationConsumed};
+use super::errors::{to_py, DONATION_CONSUMED};
 use super::twins::{masks_of, SharedBlock};
 use crate::error::{Alias, Failure};
 use crate::facts::{dispatch_modes, move_out, tensor_facts, Memory, PyObjectPtr};
@@ -76,10 +76,14 @@ pub(super) fn donate_into(
             set_class(x, &original)?;
             Err(to_py(Error::Donation(Box::new(e))))
         }
-        Err(Failure::Consumed(e)) => Err(DonationConsumed::new_err(format!(
-            "x was donated and its buffer consumed: the in-place forward had already written into it when this \
-             happened: {e}. The result was discarded, and x is marked donated (its old values are partly overwritten)"
-        ))),
+        Err(Failure::Consumed(e)) => Err(DONATION_CONSUMED.err(
+            py,
+            (format!(
+                "x was donated and its buffer consumed: the in-place forward had already written into it when this \
+                 happened: {e}. The result was discarded, and x is marked donated (its old values are partly \
+                 overwritten)"
+            ),),
+        )),
     }
 }
 

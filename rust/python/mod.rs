@@ -19,9 +19,9 @@ mod tools;
 mod twins;
 mod watch;
 
-use block::PyBlock;
+use block::{weight_keys, PyBlock};
 use entry::PyEntry;
-use errors::{DonationConsumed, OwnershipError, StaleBlock, UnsupportedBlockError, WeightsChanged};
+use errors::CLASSES;
 #[cfg(feature = "failpoints")]
 use tools::_fail_next_forward_owned_at;
 use tools::{alias_routes, cpp_gallery, tensor_facts};
@@ -34,11 +34,10 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBlock>()?;
     m.add_class::<PyWatch>()?;
     m.add_class::<PyEntry>()?;
-    m.add("OwnershipError", m.py().get_type::<OwnershipError>())?;
-    m.add("UnsupportedBlockError", m.py().get_type::<UnsupportedBlockError>())?;
-    m.add("WeightsChanged", m.py().get_type::<WeightsChanged>())?;
-    m.add("DonationConsumed", m.py().get_type::<DonationConsumed>())?;
-    m.add("StaleBlock", m.py().get_type::<StaleBlock>())?;
+    for class in CLASSES {
+        m.add(class.short_name(), class.get(m.py())?)?;
+    }
+    m.add_function(wrap_pyfunction!(weight_keys, m)?)?;
     m.add_function(wrap_pyfunction!(alias_routes, m)?)?;
     m.add_function(wrap_pyfunction!(cpp_gallery, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_facts, m)?)?;

@@ -2,10 +2,10 @@
 
 use tch::Tensor;
 
+use crate::attention_extras::AttentionExtras;
 use crate::block::deep_copy;
 use crate::cpp::CppBlock;
 use crate::error::Failure;
-use crate::masks::Masks;
 use crate::ownership::Caller;
 use crate::{BasicTransformerBlock, Error, NoGrad, Result};
 
@@ -29,17 +29,22 @@ impl Twins {
         Ok(out)
     }
 
-    pub(super) fn forward(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<Tensor> {
-        self.guarded(|| self.forward_unguarded(x, context, masks))
+    pub(super) fn forward(&self, x: &Tensor, context: Option<&Tensor>, extras: AttentionExtras<'_>) -> Result<Tensor> {
+        self.guarded(|| self.forward_unguarded(x, context, extras))
     }
 
-    pub(super) fn forward_unguarded(&self, x: &Tensor, context: Option<&Tensor>, masks: Masks<'_>) -> Result<Tensor> {
+    pub(super) fn forward_unguarded(
+        &self,
+        x: &Tensor,
+        context: Option<&Tensor>,
+        extras: AttentionExtras<'_>,
+    ) -> Result<Tensor> {
         match &self.cpp {
-            None => self.rust.forward_masked(x, context, masks),
+            None => self.rust.forward_masked(x, context, extras),
             Some(cpp) => {
                 self.rust.check_inputs(x, context)?;
-                self.rust.check_masks(x, context, masks)?;
-                cpp.forward_masked(x, context, masks)
+                self.rust.check_masks(x, context, extras)?;
+                cpp.forward_masked(x, context, extras)
             }
         }
     }
@@ -50,17 +55,17 @@ impl Twins {
     pub(super) fn forward_owned(
         &self,
         x: Tensor,
-        (context, masks): (Option<&Tensor>, Masks<'_>),
+        (context, extras): (Option<&Tensor>, AttentionExtras<'_>),
         no_grad: &NoGrad,
         caller: &Caller,
         versions: i64,
     ) -> Result<Tensor, Failure> {
         let y = match &self.cpp {
-            None => self.rust.forward_owned_by(x, context, masks, no_grad, caller)?,
+            None => self.rust.forward_owned_by(x, context, extras, no_grad, caller)?,
             Some(cpp) => {
-                match self.rust.check_inputs(&x, context).and_then(|()| self.rust.check_masks(&x, context, masks)) {
+                match self.rust.check_inputs(&x, context).and_then(|()| self.rust.check_masks(&x, context, extras)) {
                     Err(e) => return Err(Failure::Unwritten(e, x)),
-                    Ok(()) => cpp.forward_owned_by(x, context, masks, no_grad, caller)?, // C++ checks no alias: cpp.rs does
+                    Ok(()) => cpp.forward_owned_by(x, context, extras, no_grad, caller)?, // C++ checks no alias: cpp.rs does
                 }
             }
         };
@@ -133,8 +138,8 @@ impl SharedBlock {
     }
 }
 
-/// The masks of a call, borrowed from the tensors Python passed (`attention_mask`,
-/// `encoder_attention_mask`).
-pub(super) fn masks_of(masks: &[Option<Tensor>; 2]) -> Masks<'_> {
-    Masks { attn1: masks[0].as_ref(), attn2: masks[1].as_ref(), ip_adapter: &[] }
+/// The extras of a call with its masks only (no IP-Adapter images), borrowed from the tensors
+/// Python passed (`attention_mask`, `encoder_attention_mask`).
+pub(super) fn masks_of(masks: &[Option<Tensor>; 2]) -> AttentionExtras<'_> {
+    AttentionExtras { attn1: masks[0].as_ref(), attn2: masks[1].as_ref(), ip_adapter: &[] }
 }

@@ -8,7 +8,7 @@ use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyDict, PyList, PyType};
 use pyo3::PyTraverseError;
 
-use super::errors::StaleBlock;
+use super::errors::STALE_BLOCK;
 
 /// A function's state read through `getattr` ([`state_of`]): None is an empty cell.
 type State = Vec<Option<Py<PyAny>>>;
@@ -431,7 +431,9 @@ fn probe_function_layout(py: Python<'_>) -> PyResult<Option<Py<PyType>>> {
 /// Raises `StaleBlock` unless `watch` (when given) finds everything as it was read.
 pub(super) fn check_watch(py: Python<'_>, watch: Option<&Bound<'_, PyWatch>>) -> PyResult<()> {
     match watch {
-        Some(w) if !w.try_borrow()?.unchanged(py) => Err(StaleBlock::new_err("the module changed since it was read")),
+        Some(w) if !w.try_borrow()?.unchanged(py) => {
+            Err(STALE_BLOCK.err(py, ("the module changed since it was read",)))
+        }
         _ => Ok(()),
     }
 }

@@ -30,24 +30,25 @@ from torch import Tensor, nn
 ATTENTIONS = ("sdpa", "einsum")
 
 
-class Masks(NamedTuple):
-    """The attention masks of one call, with diffusers' semantics (``attn1``: diffusers'
-    ``attention_mask``, keys are ``x``'s tokens; ``attn2``: ``encoder_attention_mask``, keys are
-    the context's tokens). Each is an additive bias (floating: diffusers' UNet makes
-    ``(1 - mask) * -10000.0`` of a 0/1 or boolean ``(batch, key_tokens)`` mask, with a singleton
-    query dimension, before its blocks see it) or a boolean mask (True: attend), of shape
-    ``(batch, key_tokens)`` or ``(batch, 1 or query_tokens, key_tokens)``. The Rust block
-    (``rust/masks.rs``) and the C++ twin read line for line against :func:`per_head` and
-    :func:`add_mask`."""
+class AttentionExtras(NamedTuple):
+    """What one call gives the attentions besides ``x`` and ``context``, each field named by what
+    takes it: ``attn1``'s and ``attn2``'s masks and IP-Adapter's image embeddings.
+
+    The masks have diffusers' semantics (``attn1``: diffusers' ``attention_mask``, keys are
+    ``x``'s tokens; ``attn2``: ``encoder_attention_mask``, keys are the context's tokens). Each is
+    an additive bias (floating: diffusers' UNet makes ``(1 - mask) * -10000.0`` of a 0/1 or boolean
+    ``(batch, key_tokens)`` mask, with a singleton query dimension, before its blocks see it) or a
+    boolean mask (True: attend), of shape ``(batch, key_tokens)`` or ``(batch, 1 or query_tokens,
+    key_tokens)``. The Rust block (``rust/attention_extras.rs``) and the C++ twin read line for
+    line against :func:`per_head` and :func:`add_mask`."""
 
     attn1: Optional[Tensor] = None
     attn2: Optional[Tensor] = None
-    #: Not a mask, but the call's other extra input, threaded the same way (as in ``rust/masks.rs``):
     #: IP-Adapter's image embeddings, one per adapter of ``attn2`` (:class:`IpAdapter`); empty without.
     ip_adapter: Tuple[Tensor, ...] = ()
 
 
-NO_MASKS = Masks()
+NO_EXTRAS = AttentionExtras()
 
 
 def per_head(mask: Tensor, b: int, h: int) -> Tensor:
@@ -220,82 +221,94 @@ class FeedForward(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def op_plus_x(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS) -> Tensor:
+def op_plus_x(
+    b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], extras: AttentionExtras = NO_EXTRAS
+) -> Tensor:
     """``x = op(norm(x)) + x``: the CompVis original, and the default."""
-    x = b.attn1(b.norm1(x), mask=masks.attn1) + x
-    x = b.attn2(b.norm2(x), context=context, mask=masks.attn2, images=masks.ip_adapter) + x
+    x = b.attn1(b.norm1(x), mask=extras.attn1) + x
+    x = b.attn2(b.norm2(x), context=context, mask=extras.attn2, images=extras.ip_adapter) + x
     x = b.ff(b.norm3(x)) + x
     return x
 
 
-def x_plus_op(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS) -> Tensor:
+def x_plus_op(
+    b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], extras: AttentionExtras = NO_EXTRAS
+) -> Tensor:
     """``x = x + op(norm(x))``: the same sum with the operands swapped (does the order matter?)."""
-    x = x + b.attn1(b.norm1(x), mask=masks.attn1)
-    x = x + b.attn2(b.norm2(x), context=context, mask=masks.attn2, images=masks.ip_adapter)
+    x = x + b.attn1(b.norm1(x), mask=extras.attn1)
+    x = x + b.attn2(b.norm2(x), context=context, mask=extras.attn2, images=extras.ip_adapter)
     x = x + b.ff(b.norm3(x))
     return x
 
 
-def iadd(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS) -> Tensor:
+def iadd(
+    b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], extras: AttentionExtras = NO_EXTRAS
+) -> Tensor:
     """``x += op(norm(x))``: the 2022 "Speedup from switch to +=" commit (~7%, 1.57 -> 1.69 it/s).
 
     Mutates the caller's tensor, and overwrites the input that each ``norm`` saved for backward.
     """
-    x += b.attn1(b.norm1(x), mask=masks.attn1)
-    x += b.attn2(b.norm2(x), context=context, mask=masks.attn2, images=masks.ip_adapter)
+    x += b.attn1(b.norm1(x), mask=extras.attn1)
+    x += b.attn2(b.norm2(x), context=context, mask=extras.attn2, images=extras.ip_adapter)
     x += b.ff(b.norm3(x))
     return x
 
 
-def iadd_clone(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS) -> Tensor:
+def iadd_clone(
+    b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], extras: AttentionExtras = NO_EXTRAS
+) -> Tensor:
     """``x += op(norm(x.clone()))``: how the commit was re-landed after it broke training.
 
     The norms now save a clone, so autograd is satisfied; the first ``+=`` still writes into
     the caller's tensor.
     """
-    x += b.attn1(b.norm1(x.clone()), mask=masks.attn1)
-    x += b.attn2(b.norm2(x.clone()), context=context, mask=masks.attn2, images=masks.ip_adapter)
+    x += b.attn1(b.norm1(x.clone()), mask=extras.attn1)
+    x += b.attn2(b.norm2(x.clone()), context=context, mask=extras.attn2, images=extras.ip_adapter)
     x += b.ff(b.norm3(x.clone()))
     return x
 
 
 def first_out_of_place(
-    b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS
+    b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], extras: AttentionExtras = NO_EXTRAS
 ) -> Tensor:
     """First line ``x = x + op(norm(x))``, the other two ``+=``: the caller's tensor is safe,
     since ``x`` is a fresh tensor after the first line."""
-    x = x + b.attn1(b.norm1(x), mask=masks.attn1)
-    x += b.attn2(b.norm2(x), context=context, mask=masks.attn2, images=masks.ip_adapter)
+    x = x + b.attn1(b.norm1(x), mask=extras.attn1)
+    x += b.attn2(b.norm2(x), context=context, mask=extras.attn2, images=extras.ip_adapter)
     x += b.ff(b.norm3(x))
     return x
 
 
-def copy_iadd(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS) -> Tensor:
+def copy_iadd(
+    b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], extras: AttentionExtras = NO_EXTRAS
+) -> Tensor:
     """``x = copy.copy(x)`` and then ``+=``: a Python-level copy of the tensor *object*.
 
     Whether ``copy.copy`` copies the data is answered by tests/test_bugs.py.
     """
     x = copy.copy(x)
-    x += b.attn1(b.norm1(x), mask=masks.attn1)
-    x += b.attn2(b.norm2(x), context=context, mask=masks.attn2, images=masks.ip_adapter)
+    x += b.attn1(b.norm1(x), mask=extras.attn1)
+    x += b.attn2(b.norm2(x), context=context, mask=extras.attn2, images=extras.ip_adapter)
     x += b.ff(b.norm3(x))
     return x
 
 
-def preallocated(b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], masks: Masks = NO_MASKS) -> Tensor:
+def preallocated(
+    b: "BasicTransformerBlock", x: Tensor, context: Optional[Tensor], extras: AttentionExtras = NO_EXTRAS
+) -> Tensor:
     """Residual sums written with ``out=`` into one buffer the module keeps between calls.
 
     No allocation for the residual stream, and no autograd (``out=`` does not record); the
     returned tensor *is* the buffer, so the next call overwrites it.
     """
     out = b.residual_buffer(x)
-    torch.add(b.attn1(b.norm1(x), mask=masks.attn1), x, out=out)
-    torch.add(b.attn2(b.norm2(out), context=context, mask=masks.attn2, images=masks.ip_adapter), out, out=out)
+    torch.add(b.attn1(b.norm1(x), mask=extras.attn1), x, out=out)
+    torch.add(b.attn2(b.norm2(out), context=context, mask=extras.attn2, images=extras.ip_adapter), out, out=out)
     torch.add(b.ff(b.norm3(out)), out, out=out)
     return out
 
 
-Strategy = Callable[..., Tensor]  # (block, x, context, masks=NO_MASKS) -> Tensor
+Strategy = Callable[..., Tensor]  # (block, x, context, extras=NO_EXTRAS) -> Tensor
 
 STRATEGIES: dict[str, Strategy] = {
     f.__name__: f for f in (op_plus_x, x_plus_op, iadd, iadd_clone, first_out_of_place, copy_iadd, preallocated)
@@ -400,18 +413,23 @@ class BasicTransformerBlock(nn.Module):
         ip_adapter: Sequence[Tensor] = (),
     ) -> Tensor:
         """``attention_mask`` (self-attention) and ``encoder_attention_mask`` (cross-attention):
-        see :class:`Masks`; ``ip_adapter``: IP-Adapter's image embeddings, one per adapter (with
+        see :class:`AttentionExtras`; ``ip_adapter``: IP-Adapter's image embeddings, one per adapter (with
         ``checkpoint``, they get no gradient: they are not among its inputs)."""
         residual = self.residual if residual is None else _check_strategy(residual)
-        masks = Masks(attention_mask, encoder_attention_mask, tuple(ip_adapter))
+        extras = AttentionExtras(attention_mask, encoder_attention_mask, tuple(ip_adapter))
         inputs = (x,) if context is None else (x, context)
-        run = lambda *xs: self._forward(*xs, residual=residual, masks=masks)  # noqa: E731
+        run = lambda *xs: self._forward(*xs, residual=residual, extras=extras)  # noqa: E731
         return checkpoint(run, inputs, self.parameters(), self.checkpoint)
 
     def _forward(
-        self, x: Tensor, context: Optional[Tensor] = None, *, residual: str = "op_plus_x", masks: Masks = NO_MASKS
+        self,
+        x: Tensor,
+        context: Optional[Tensor] = None,
+        *,
+        residual: str = "op_plus_x",
+        extras: AttentionExtras = NO_EXTRAS,
     ) -> Tensor:
-        return STRATEGIES[residual](self, x, context, masks)
+        return STRATEGIES[residual](self, x, context, extras)
 
     def residual_buffer(self, like: Tensor) -> Tensor:
         """The buffer ``preallocated`` writes into, reallocated when shape, dtype or device change."""

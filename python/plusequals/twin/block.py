@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _rust
-from ..errors import UnsupportedBlockError, ownership_error
+from ..errors import OwnershipError, UnsupportedBlockError
 from . import letgo, ops
 from .adapter import Carried
 from .arguments import check_tensor, masks_of, seen
@@ -57,7 +57,7 @@ class RustBlock(nn.Module):
       the caller's tensor is never mutated unless it is donated.
 
     Both take ``attention_mask`` and ``encoder_attention_mask`` (keywords; diffusers' semantics:
-    :class:`plusequals.model.blocks.Masks`), in eager calls on plain tensors; where the custom
+    :class:`plusequals.model.blocks.AttentionExtras`), in eager calls on plain tensors; where the custom
     ops would run (tracing, FakeTensor, modes, subclasses) masks are refused.
 
     Made with :meth:`from_torch`, it takes over the PyTorch block's submodules (``norm1``,
@@ -497,7 +497,7 @@ class RustBlock(nn.Module):
         refused = why_not_donatable(x, context)
         if refused:
             arg, why, message, modes = refused
-            raise ownership_error(
+            raise OwnershipError(
                 f"{message}; nothing was donated: x is unchanged and usable (donate=False works on a copy)",
                 arg,
                 why,

@@ -1,12 +1,16 @@
 """One configuration type for the Rust block, passed by name everywhere: to ``_rust.Block``
 (``**config._asdict()``), to the custom ops, and between ``RustBlock``, the reading of a module
-and the ops. A leaf."""
+and the ops; and the keys of the weights it takes, which the extension gives. Imports nothing of
+the package but the extension."""
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional, Tuple
 
-__all__ = ["BlockConfig", "custom_diffusion_keys", "lora_keys", "rust_keys"]
+from .. import _rust
+
+__all__ = ["BlockConfig", "rust_keys"]
 
 
 class BlockConfig(NamedTuple):
@@ -32,10 +36,13 @@ class BlockConfig(NamedTuple):
 
     @property
     def keys(self) -> Tuple[str, ...]:
-        """The weights' CompVis keys, in the order the custom ops take them, then the LoRA terms',
-        IP-Adapter's and Custom Diffusion's."""
-        ip = tuple(f"attn2.ip.{i}.{p}.weight" for i in range(len(self.ip_adapter)) for p in ("to_k", "to_v"))
-        return rust_keys(self.gated_ff) + lora_keys(self.lora) + ip + custom_diffusion_keys(self.custom_diffusion)
+        """The weights' CompVis keys, in the order the custom ops take them: the PyTorch block's
+        (``attn1``'s, ``attn2``'s, the feed-forward's, the norms'), then the LoRA terms'
+        (``{linear}.lora.{i}.A.weight``, ...), IP-Adapter's (``attn2.ip.{i}.to_k.weight``, ...) and
+        Custom Diffusion's (``{attn}.custom_diffusion.to_q.weight``, ...). Read from the Rust block
+        (``BlockConfig::weight_keys`` in rust/block.rs), the one list of them; a configuration
+        the Rust block refuses raises its ``ValueError``."""
+        return _weight_keys(self)
 
     @property
     def op_fields(self) -> tuple:
@@ -44,40 +51,12 @@ class BlockConfig(NamedTuple):
         return tuple(self)[:7]
 
 
-def lora_keys(lora: Tuple[Tuple[str, int, float, bool, bool], ...]) -> Tuple[str, ...]:
-    """The LoRA terms' weights by key (``{linear}.lora.{i}.A.weight``, ``.B.weight``, ``.B.bias``,
-    and DoRA's ``.magnitude``)."""
-    keys = []
-    for i, (linear, _, _, bias, dora) in enumerate(lora):
-        parts = ["A.weight", "B.weight"] + ["B.bias"] * bias + ["magnitude"] * dora
-        keys += [f"{linear}.lora.{i}.{part}" for part in parts]
-    return tuple(keys)
-
-
-def custom_diffusion_keys(specs: Tuple[Tuple[str, bool, bool, bool], ...]) -> Tuple[str, ...]:
-    """Custom Diffusion's weights by key (``{attn}.custom_diffusion.to_q.weight``, ...: rust/custom_diffusion.rs)."""
-    keys = []
-    for attn, train_kv, train_q_out, out_bias in specs:
-        layers = [("to_q", False)] * train_q_out + [("to_k", False), ("to_v", False)] * train_kv
-        layers += [("to_out.0", out_bias)] * train_q_out
-        for name, bias in layers:
-            keys += [f"{attn}.custom_diffusion.{name}.weight"] + [f"{attn}.custom_diffusion.{name}.bias"] * bias
-    return tuple(keys)
+@functools.lru_cache(maxsize=256)
+def _weight_keys(config: BlockConfig) -> Tuple[str, ...]:
+    return tuple(_rust.weight_keys(**config._asdict()))
 
 
 def rust_keys(gated_ff: bool) -> Tuple[str, ...]:
-    """The Rust block's weights by CompVis key, in the order the custom ops take them."""
-    proj = "ff.net.0.proj" if gated_ff else "ff.net.0.0"
-    keys = []
-    for attn in ("attn1", "attn2"):
-        keys += [
-            f"{attn}.to_q.weight",
-            f"{attn}.to_k.weight",
-            f"{attn}.to_v.weight",
-            f"{attn}.to_out.0.weight",
-            f"{attn}.to_out.0.bias",
-        ]
-    keys += [f"{proj}.weight", f"{proj}.bias", "ff.net.2.weight", "ff.net.2.bias"]
-    for norm in ("norm1", "norm2", "norm3"):
-        keys += [f"{norm}.weight", f"{norm}.bias"]
-    return tuple(keys)
+    """The weights of the PyTorch block, without adapters, by CompVis key, in the order the
+    custom ops take them."""
+    return BlockConfig(1, 1, 1, None, gated_ff, "sdpa").keys

@@ -10,7 +10,7 @@ results to ``to_q``'s). In a cross-attention call the first token's key and valu
 graph (``detach * k + (1 - detach) * k.detach()``): the values are unchanged, the gradients not.
 The Rust block takes those layers under the keys ``{attn}.custom_diffusion.to_q.weight``,
 ``.to_k.weight``, ``.to_v.weight``, ``.to_out.0.weight`` and ``.to_out.0.bias``
-(:func:`plusequals.twin.config.custom_diffusion_keys`).
+(rust/custom_diffusion.rs; :attr:`plusequals.twin.config.BlockConfig.keys` reads them from there).
 
 What the reading looks at is watched: ``train_kv``, ``train_q_out``, the layers and their
 parameters, the output dropout; a change reads the block again. The layers a flag turns off are

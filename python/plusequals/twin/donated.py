@@ -29,12 +29,11 @@ class DonatedTensor(Tensor):
         from ..errors import UseAfterDonation
 
         op = operation_name(func)
-        error = UseAfterDonation(
+        raise UseAfterDonation(
             f"use of a donated tensor ({op}): it was moved into forward_owned(..., donate=True); "
-            "use the tensor that call returned, or pass donate=False to keep the input"
+            "use the tensor that call returned, or pass donate=False to keep the input",
+            op,
         )
-        error.op = op
-        raise error
 
 
 # What prints a tensor: a donated one says so instead of raising.

@@ -12,7 +12,7 @@ three times, with
 * LayerNorm (``nn.LayerNorm`` itself) over the last dimension, eps ``1e-5``, with affine weight and bias;
 * attention with one head count for ``attn1`` and ``attn2``, bias-free q/k/v projections, an
   output projection with a bias, softmax scale ``d_head ** -0.5`` (masks are call arguments:
-  :class:`plusequals.model.blocks.Masks`); in diffusers, one of :data:`SUPPORTED_PROCESSORS` and
+  :class:`plusequals.model.blocks.AttentionExtras`); in diffusers, one of :data:`SUPPORTED_PROCESSORS` and
   none of its options;
 * each linear layer an ``nn.Linear``, or PEFT's LoRA layer on one (:mod:`plusequals.twin.lora`);
 * a feed-forward of width ``4 * dim``: GEGLU with the exact GELU (SD v1), or a linear layer and

@@ -1,6 +1,7 @@
-//! The attention masks of a call, with diffusers' semantics (`Attention.prepare_attention_mask`
-//! and `AttnProcessor2_0`), line for line with `python/plusequals/model/blocks.py` and
-//! `cpp/block.cpp`.
+//! What a call gives the attentions besides `x` and `context` ([`AttentionExtras`]): the attention
+//! masks, with diffusers' semantics (`Attention.prepare_attention_mask` and `AttnProcessor2_0`),
+//! line for line with `python/plusequals/model/blocks.py` and `cpp/block.cpp`, and IP-Adapter's
+//! image embeddings.
 //!
 //! A mask is what diffusers' `BasicTransformerBlock` receives: an additive bias (floating; the
 //! UNet and `Transformer2DModel` turn a 0/1 or boolean `(batch, key_tokens)` mask into
@@ -15,21 +16,21 @@ use tch::{Kind, Tensor};
 use crate::error::{Error, Result};
 use crate::facts::{dense_size, device, device_name, dtype_name};
 
-/// The masks of one call: `attn1`'s (diffusers' `attention_mask`, keys are `x`'s tokens) and
-/// `attn2`'s (`encoder_attention_mask`, keys are the context's tokens).
+/// What one call gives the attentions besides `x` and `context`, each field named by what takes it.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Masks<'a> {
+pub struct AttentionExtras<'a> {
+    /// `attn1`'s mask (diffusers' `attention_mask`; keys are `x`'s tokens).
     pub attn1: Option<&'a Tensor>,
+    /// `attn2`'s mask (diffusers' `encoder_attention_mask`; keys are the context's tokens).
     pub attn2: Option<&'a Tensor>,
-    /// Not a mask, but the call's other extra input, threaded the same way: IP-Adapter's image
-    /// embeddings (diffusers' `encoder_hidden_states[1]`), one per adapter of `attn2`
-    /// ([`crate::block::IpAdapter`]); empty without IP-Adapter.
+    /// IP-Adapter's image embeddings (diffusers' `encoder_hidden_states[1]`), one per adapter of
+    /// `attn2` ([`crate::block::IpAdapter`]); empty without IP-Adapter.
     pub ip_adapter: &'a [Tensor],
 }
 
-impl Masks<'_> {
-    /// No mask: what `forward(x, context)` passes.
-    pub const NONE: Masks<'static> = Masks { attn1: None, attn2: None, ip_adapter: &[] };
+impl AttentionExtras<'_> {
+    /// None: what `forward(x, context)` passes.
+    pub const NONE: AttentionExtras<'static> = AttentionExtras { attn1: None, attn2: None, ip_adapter: &[] };
 }
 
 /// diffusers' `prepare_attention_mask` (repeated per head over the batch) and the view before
