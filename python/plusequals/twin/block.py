@@ -248,10 +248,19 @@ class RustBlock(nn.Module):
         if not self._twin.fresh(weights, self._config):
             inner, self._device = validated_inner(dict(zip(self._config.keys, weights)), self._config)
             self._twin.set(inner, weights, self._config)
-            self._probe_pending |= self._reading is not None  # proven in one dtype and device: again
+            self._probe_pending |= self._moved(weights[0])  # proven in one dtype and device: again there
         if self._probe_pending:
             self._run_probe(weights[0], error)
         self._rebind()  # read, built and probed: the hot path may call it
+
+    def _moved(self, weight: Tensor) -> bool:
+        """Whether the block needs the probe after a rebuild: its classes are unknown, or the last
+        proven run (its ATen ops: twin/probe.py) was in another dtype or on another device."""
+        reading, ran = self._reading, self._ran
+        if reading is None:
+            return False
+        proven = ran.ops if ran is not None else None
+        return bool(reading.unknown) or proven is None or (proven.dtype, proven.device) != (weight.dtype, weight.device)
 
     def _run_probe(self, weight: Tensor, error: type) -> None:
         """Runs the PyTorch block and the Rust block on one probe input (:func:`probe`) where it

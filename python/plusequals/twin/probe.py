@@ -28,7 +28,7 @@ from typing import Any, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .config import BlockConfig
 
@@ -278,7 +278,7 @@ def probe(block: nn.Module, rust_forward, spec: BlockConfig, weight: torch.Tenso
     ``call(block, *args, **kwargs)`` runs the block on each input: a recorder's (of what it ran:
     twin/record.py), whose ``proven`` trace (the last run proven equal) is compared and
     whose ``ops`` is set to this run's."""
-    with _outside_function_modes():
+    with _outside_function_modes(), _disable_current_modes():  # a FakeTensorMode's call: real inputs here
         return _probe(block, rust_forward, spec, weight, call or _call)
 
 
