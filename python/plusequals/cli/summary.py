@@ -94,10 +94,10 @@ def _numbers(value: float, limit: float) -> tuple[str, str]:
     "1.0204" and "1.02", never "1.02" twice beside a "missed"."""
     if fmt(value) != fmt(limit) or value == limit:
         return fmt(value), fmt(limit)
-    for digits in range(4, 10):
-        shown = f"{value:.{digits}g}"
-        if float(shown) != limit:
-            return shown, f"{limit:g}"
+    for digits in range(4, 18):  # both at the same precision: rounding keeps their order
+        shown, shown_limit = f"{value:.{digits}g}", f"{limit:.{digits}g}"
+        if shown != shown_limit:
+            return shown, shown_limit
     return repr(value), repr(limit)
 
 
