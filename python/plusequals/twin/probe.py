@@ -134,11 +134,24 @@ def note_call(x: Any, context: Any = None) -> None:
     and tokens, the context's tokens (x's where there is none). The probe, run by that call's check,
     adds an input of those shapes; a later probe on this thread (another block's ``from_torch``)
     may add them too, which proves no less."""
+    x_shape, context_shape = _shape3(x), _shape3(context)
     shapes = None
-    if isinstance(x, torch.Tensor) and x.dim() == 3:
-        tokens = context.shape[1] if isinstance(context, torch.Tensor) and context.dim() == 3 else x.shape[1]
-        shapes = (int(x.shape[0]), int(x.shape[1]), int(tokens))
+    if x_shape is not None:
+        shapes = (x_shape[0], x_shape[1], (context_shape or x_shape)[1])
     _CALL.set(shapes)
+
+
+def _shape3(t: Any) -> Optional[Tuple[int, ...]]:
+    """``t``'s shape when it is a plain 3-d tensor, else None: noting a call's shapes runs before the
+    call's checks, so it must take anything they would refuse (a nested tensor has no sizes, a
+    subclass may raise) without raising."""
+    if not isinstance(t, torch.Tensor) or t.is_nested or t.layout != torch.strided:
+        return None
+    try:
+        shape = tuple(int(n) for n in t.shape)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return shape if len(shape) == 3 else None
 
 
 @contextlib.contextmanager
