@@ -30,8 +30,6 @@ from torch import nn
 from conftest import rel_err
 from support.sites import SCALE, SITES, TOL, Site, run_sequence, same_or_refused
 
-_same_or_refused = same_or_refused  # what test_watch_routes.py imports from here, until it imports support.sites
-
 
 def _patch(owner, name: str, wrap: Callable) -> Callable[[], None]:
     """Sets ``owner.name`` to ``wrap(old)``; returns the undo (which also removes an attribute

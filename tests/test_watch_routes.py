@@ -1,4 +1,4 @@
-"""Never stale by what the forward runs (issue #43): the routes that change no dict the reading
+"""Never stale by what the forward runs: the routes that change no dict the reading
 noted by name, each followed or refused on ``RustBlock``, ``CppBlock`` and a swapped diffusers
 UNet, and working again once undone.
 
@@ -39,8 +39,8 @@ from torch import nn
 
 from conftest import rel_err
 from plusequals import CppBlock, RustBlock, UnsupportedBlockError
-from test_routes import SCALE, TOL, _same_or_refused, run_sequence
-from test_structure import Site
+from support.sites import SCALE, TOL, Site, run_sequence
+from support.sites import same_or_refused as _same_or_refused
 
 FACTOR = 1.0  # a global of this module, read by _helper: a function the reading does not follow
 
