@@ -426,12 +426,7 @@ class MoveTracer:
         if not moved:
             return
         what, names = _names(frame.f_code).get(offset, ("", ()))
-        for name in names:
-            info = moved.pop(name, None)
-            if info is not None and what == "read":
-                self._on_read(frame, name, info)
-        if not moved:
-            self._unfollow(frame)
+        self._consume(frame, what, names, moved, frame)
 
     def _seen_inner(self, frame: FrameType, offset: int) -> None:
         """An instruction of a comprehension, generator expression or lambda: a read of a free
@@ -450,12 +445,18 @@ class MoveTracer:
             return
         if outer is None:
             return
-        for name in free:
+        self._consume(frame, what, free, moved, outer)
+
+    def _consume(self, frame: FrameType, what: str, names, moved: dict, owner: FrameType) -> None:
+        """``names`` used at ``frame``'s instruction (``what``: "read" or else): each moved one is
+        done with, and a read of it reported; ``owner`` (the frame whose moves they are) is
+        no longer followed once none is left."""
+        for name in names:
             info = moved.pop(name, None)
             if info is not None and what == "read":
                 self._on_read(frame, name, info)
         if not moved:
-            self._unfollow(outer)
+            self._unfollow(owner)
 
     def stop(self) -> None:
         for frame in list(self._moved):
