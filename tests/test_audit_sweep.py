@@ -4,7 +4,8 @@ compute the same bits and run the same ATen ops as a plain run from the same see
 (``plusequals/cases/paired.py``; the heaviest torchvision models, audited on the meta device, have
 no values to compare); each checks its row of the guide's table, which must list every model once.
 ``make test`` runs one model of each architecture (``sweep.representatives``: each torchvision and
-timm code family, every torch.nn, transformers and diffusers model); the others carry the
+timm code family but those made only of the heaviest, every torch.nn, transformers and diffusers
+model); the others carry the
 ``sweep`` marker, which ``make test`` leaves out and ``make sweep`` runs, after regenerating the
 tables. Plain ``pytest`` runs them all. The heaviest (``sweep.SLOW``) are also marked slow.
 """
@@ -74,14 +75,18 @@ def test_a_model_of_each_architecture_is_clean_and_its_readme_row_current(family
 
 
 def test_the_subset_is_one_model_of_each_architecture():
-    """make test's subset covers every architecture once, the models whose moves are counted among
-    them; the rest of the sweep is every other model."""
+    """make test's subset covers every architecture once, but those made only of the heaviest
+    (sweep.SLOW), and none of those; the models whose moves are counted are among them, and the
+    rest of the sweep is every other model."""
     everything = [(f, e.name) for f in sweep.families() for e in sweep.entries(f)]
     arch = {(f, e.name): (f, sweep.architecture(e)) for f in sweep.families() for e in sweep.entries(f)}
-    assert sorted(arch[m] for m in SUBSET) == sorted(set(arch.values()))
+    light = {arch[m] for m in everything if m not in sweep.SLOW}
+    assert sorted(arch[m] for m in SUBSET) == sorted(light) and not set(SUBSET) & set(sweep.SLOW)
     assert set(sweep.MOVES) <= set(SUBSET)
     assert sorted(SUBSET + REST) == sorted(everything) and not set(SUBSET) & set(REST)
     assert len({a for f, a in arch.values() if f == "torchvision"}) >= 15
+    kinds = {a.split(".")[0] for f, a in map(arch.get, SUBSET) if f == "torchvision" and "." in a}
+    assert kinds == {"detection", "segmentation", "video", "optical_flow"}
 
 
 def test_the_readme_table_lists_every_model_of_the_sweep_once():
