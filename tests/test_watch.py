@@ -98,7 +98,11 @@ def _change(watch, d: dict, op: str, pick: int):
     elif op == "swap_class":
         m = watch.classes[pick % len(watch.classes)].obj
         cls = type(m)
-        m.__class__ = type("Swapped", (cls,), {})
+        try:
+            swapped = type("Swapped", (cls,), {})
+        except TypeError:  # a class that cannot be subclassed (typing's TypeVar, a global the code names)
+            return None
+        m.__class__ = swapped
         return lambda: setattr(m, "__class__", cls)
     return None
 

@@ -225,6 +225,119 @@ def test_generated_changes_are_followed_or_refused_and_undone_work_again(site, s
     run_sequence(site, ROUTES, steps)
 
 
+# ------------------------------------- what the code's objects hold: a class, a partial's keywords
+# ``F.gelu`` set (before the site is made) to a ``functools.partial`` of a callable object whose
+# class is no global of any module: the class of an object the checked run called a method of, the
+# exact class of each object the code names (``F`` itself, the partial's callable) and the partial's
+# keywords are watched.
+
+
+def _callable_gelu():
+    """A callable of ``F.gelu``'s maths, of a class that is no module global, and another class."""
+    gelu = F.gelu
+
+    class Gelu:
+        def __call__(self, input, approximate="none"):
+            return gelu(input, approximate=approximate)
+
+    class Scaled(Gelu):
+        def __call__(self, input, approximate="none"):
+            return gelu(input, approximate=approximate) * SCALE
+
+    return Gelu(), Scaled
+
+
+@pytest.fixture(scope="module", params=["RustBlock", "CppBlock", "swap"])
+def held(request):
+    original = F.gelu
+    gelu, scaled = _callable_gelu()
+    F.gelu = functools.partial(gelu, approximate="none")
+    try:
+        site = Site(request.param)
+        site.scaled, site.partial = scaled, F.gelu  # as the routes find them (F's class may change)
+        yield site
+    finally:
+        F.gelu = original
+
+
+def _module_class(site: Site) -> Callable[[], None]:
+    """``F.__class__`` set to a ``ModuleType`` subclass whose ``__getattribute__`` scales ``gelu``:
+    no dict changes, only the module's class."""
+
+    class Scaling(types.ModuleType):
+        def __getattribute__(self, name):
+            found = super().__getattribute__(name)
+            return functools.partial(_scaled_call_of, found) if name == "gelu" else found
+
+    F.__class__ = Scaling
+    return lambda: setattr(F, "__class__", types.ModuleType)
+
+
+def _scaled_call_of(f, *args, **kwargs):
+    return f(*args, **kwargs) * SCALE
+
+
+def _callable_class_call(site: Site) -> Callable[[], None]:
+    cls = type(site.partial.func)
+    old = cls.__dict__["__call__"]
+    cls.__call__ = lambda self, input, approximate="none": old(self, input, approximate) * SCALE
+    return lambda: setattr(cls, "__call__", old)
+
+
+def _callable_class_swapped(site: Site) -> Callable[[], None]:
+    obj = site.partial.func
+    old = type(obj)
+    obj.__class__ = site.scaled
+    return lambda: setattr(obj, "__class__", old)
+
+
+def _keywords(site: Site) -> Callable[[], None]:
+    site.partial.keywords["approximate"] = "tanh"
+    return lambda: site.partial.keywords.__setitem__("approximate", "none")
+
+
+HELD: Dict[str, Callable[[Site], Callable[[], None]]] = {
+    "F's __class__ set to a ModuleType subclass": _module_class,
+    "the callable's class __call__ set": _callable_class_call,
+    "the callable's __class__ reassigned": _callable_class_swapped,
+    "the partial's keywords set": _keywords,
+}
+
+
+def test_every_held_route_changes_the_pytorch_model(held):
+    before = held.pytorch()
+    assert rel_err(held.run(), before) <= TOL
+    for name, route in HELD.items():
+        undo = route(held)
+        try:
+            assert rel_err(held.pytorch(), before) > TOL, name
+        finally:
+            undo()
+    assert rel_err(held.run(), before) <= TOL
+
+
+@pytest.mark.parametrize("name", list(HELD))
+def test_what_the_codes_objects_hold_is_followed_or_refused(held, name):
+    assert rel_err(held.run(), held.pytorch()) <= TOL
+    undo = HELD[name](held)
+    try:
+        _same_or_refused(held, name)
+    finally:
+        undo()
+    assert rel_err(held.run(), held.pytorch()) <= TOL, f"{name} undone: it must work again"
+
+
+@settings(
+    max_examples=8,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(steps=st.lists(st.sampled_from(list(HELD)), min_size=1, max_size=4))
+def test_generated_changes_of_what_the_code_holds(held, steps):
+    run_sequence(held, HELD, steps)
+
+
 def test_an_equal_change_in_place_is_followed_on_the_hot_path():
     """A function changed in place to code of the same maths is probed and followed: the twin
     runs again, on the hot path (no refusal, no stale result)."""
@@ -417,3 +530,38 @@ def test_the_recorder_chains_a_profiler_already_set_and_puts_everything_back():
     assert [g for code, g, _ in recorder.ran.frames if code is _helper.__code__] == [globals()]
     notes = {n.label for n in recorder.ran.reads().notes}
     assert f"{__name__}.FACTOR" in notes and f"{__name__}._helper.__code__" in notes
+
+
+@OUT_OF_CONTRACT
+def test_out_of_contract_an_instances_dict_reassigned():
+    """``attn1.__dict__`` replaced by a copy holding a bound ``forward``: the watch holds the old
+    dict (unchanged, its tag with it) and each module's class, not the pointer to its dict."""
+    block, rust, x, c = _small()
+    attn = block.attn1
+    old = attn.__dict__
+    forward = type(attn).forward
+
+    def change():
+        d = dict(old)
+        d["forward"] = types.MethodType(lambda self, *a, **k: forward(self, *a, **k) * SCALE, attn)
+        attn.__dict__ = d
+
+    _stale_or_not(block, rust, x, c, change, lambda: setattr(attn, "__dict__", old))
+
+
+@OUT_OF_CONTRACT
+def test_out_of_contract_a_partial_rebuilt_by_setstate():
+    """``F.gelu`` a ``functools.partial``: its keywords dict is watched, but ``__setstate__`` puts
+    a new one (and may put a new ``func``) in place; the partial itself stays the same object."""
+    original = F.gelu
+    F.gelu = functools.partial(original, approximate="none")
+    try:
+        block, rust, x, c = _small()
+        partial = F.gelu
+        _stale_or_not(
+            block, rust, x, c,
+            lambda: partial.__setstate__((original, (), {"approximate": "tanh"}, None)),
+            lambda: partial.__setstate__((original, (), {"approximate": "none"}, None)),
+        )  # fmt: skip
+    finally:
+        F.gelu = original

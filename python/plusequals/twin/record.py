@@ -27,7 +27,18 @@ import sys
 import types
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
-from .forward_code import Note, Reads, _codes, _function, _module_read, class_dict, function_state
+from .forward_code import (
+    INERT,
+    Note,
+    Reads,
+    _class_label,
+    _codes,
+    _function,
+    _module_read,
+    _mutable,
+    class_dict,
+    function_state,
+)
 
 __all__ = ["Ran", "Recorder"]
 
@@ -37,14 +48,21 @@ class Ran:
     where each one's function was found: (container, key, label) for each place, the container a
     dict (found there by key) or None (a list or tuple item, kept as the key)."""
 
-    def __init__(self, frames: List[Tuple[types.CodeType, dict, dict]], known: Set[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        frames: List[Tuple[types.CodeType, dict, dict]],
+        known: Set[int] = frozenset(),
+        receivers: Optional[Dict[int, type]] = None,
+    ) -> None:
         self.frames = frames
         self.ops: Any = None  # the ATen ops of the run, once the probe proved it (twin/probe.py's Trace)
         self.places: Dict[int, List[Tuple[Any, Any, str]]] = {}
+        # the class of each code's first argument (a method's self), where Python code can change it
+        self.receivers: Dict[int, type] = dict(receivers or {})
         nested = {id(c) for code, _, _ in frames for c in list(_codes(code))[1:]}
         for code, g, _ in frames:
             if id(code) not in known and id(code) not in nested:
-                places = _find(code, g)
+                places = _find(code, g) + _in_classes(code, self.receivers.get(id(code)))
                 if places:
                     self.places[id(code)] = places
 
@@ -63,6 +81,8 @@ class Ran:
                 notes.append(n)
 
         for n in _cells_read(self.frames, watched, sized):
+            note(n)
+        for n in _receivers_read(self.receivers.values(), sized):
             note(n)
         for code, g, builtins in self.frames:
             for n in _names_read(code, g, builtins, sized):
@@ -149,6 +169,38 @@ def _find(code: types.CodeType, g: dict) -> List[Tuple[Any, Any, str]]:
     return found
 
 
+def _mro(cls: Optional[type]) -> List[type]:
+    """The classes of ``cls``'s MRO that Python code can change (none for None)."""
+    return [c for c in cls.__mro__ if _mutable(c)] if cls is not None else []
+
+
+def _in_classes(code: types.CodeType, cls: Optional[type]) -> List[Tuple[Any, Any, str]]:
+    """Where a function running ``code`` sits in the dicts of ``cls``'s MRO (the class of the
+    first argument it ran with: a method of an object the forward calls, such as a callable set
+    as ``F.gelu`` whose class is no global)."""
+    return [
+        (class_dict(c), key, f"{_class_label(c)}.{key}")
+        for c in _mro(cls)
+        for key, attr in list(class_dict(c).items())
+        if _runs(attr, code)
+    ]
+
+
+def _receivers_read(classes: Iterable[type], sized: Dict[int, dict]) -> Iterator[Note]:
+    """Every entry of every class in the MROs of ``classes`` (those of the objects whose methods
+    ran), as the reading notes the block's own classes: a name added to one (its dict is sized) or
+    set again is a change."""
+    seen: Set[int] = set()
+    for cls in {id(c): c for c in classes}.values():
+        for c in _mro(cls):
+            if id(c) in seen:
+                continue
+            seen.add(id(c))
+            d = class_dict(c)
+            sized.setdefault(id(d), d)
+            yield from (Note(d, k, v, f"{_class_label(c)}.{k}") for k, v in list(d.items()) if k not in INERT)
+
+
 def _runs(value: Any, code: types.CodeType) -> bool:
     f = _function(value) if not isinstance(value, type) else None
     return f is not None and f.__code__ is code
@@ -170,6 +222,7 @@ class Recorder:
         self.proven = proven.ops if proven is not None else None
         self._ops: Any = None
         self._frames: List[Tuple[types.CodeType, dict, dict]] = []
+        self._receivers: Dict[int, type] = {}
         self._seen: Set[int] = set()
         self.same_as_twin = False  # whether the block ran the Rust block's ATen ops (set by the probe)
 
@@ -190,13 +243,16 @@ class Recorder:
         (hypothesis' ``gc.callbacks`` write their module's globals on every collection). Each call
         adds to :attr:`ran`: the probe records every input's run (a helper called only on some
         token counts is watched once one of them ran it)."""
-        frames, seen = self._frames, self._seen
+        frames, seen, receivers = self._frames, self._seen, self._receivers
 
         def started(frame: types.FrameType) -> None:
             code = frame.f_code
             if id(code) not in seen and frame.f_globals is not _HERE:  # not the recorder's own stop
                 seen.add(id(code))
                 frames.append((code, frame.f_globals, frame.f_builtins))
+                cls = _receiver(frame)
+                if cls is not None:
+                    receivers[id(code)] = cls
 
         stop = _start(started)
         if stop is None:
@@ -216,12 +272,23 @@ class Recorder:
     def ran(self) -> Optional[Ran]:
         """What the calls so far ran (None: nothing was recorded), built once per new frame."""
         if self._recorded and (self._ran is None or len(self._ran.frames) != len(self._frames)):
-            self._ran = Ran(list(self._frames), self.known)
+            self._ran = Ran(list(self._frames), self.known, self._receivers)
             self._ran.ops = self._ops
         return self._ran
 
 
 _HERE = globals()
+
+
+def _receiver(frame: types.FrameType) -> Optional[type]:
+    """The class of the first argument a frame started with (a method's ``self``), where Python
+    code can change it and it is no module; else None. Read as the frame starts, before its code
+    ran (3.11's profiler has made its locals already)."""
+    code = frame.f_code
+    if not code.co_argcount:
+        return None
+    cls = type(frame.f_locals.get(code.co_varnames[0]))
+    return cls if _mutable(cls) and not issubclass(cls, types.ModuleType) else None
 
 
 def _profile(started) -> Callable[[], None]:

@@ -8,6 +8,8 @@ Rust (``plusequals._rust.Watch``), which every call of a ``RustBlock`` compares 
 
 from __future__ import annotations
 
+import functools
+import types
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -17,6 +19,8 @@ from .. import _rust
 from . import casting
 from .forward_code import Note, read_code
 from .record import Ran
+
+_IMMUTABLE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: no instance's __class__ can be reassigned to or from it
 
 __all__ = ["Exact", "Noted", "Sized", "Watch", "class_name", "global_hook_kinds"]
 
@@ -221,6 +225,7 @@ class Watch:
         self.code = reads.notes
         self.code_sizes = [(d, len(d)) for d in reads.sized]
         self.functions = reads.functions
+        self._objects(reads.notes)
 
     def state(self, m: nn.Module) -> None:
         """Notes every value on the instance ``m`` by identity: the state an unknown class's
@@ -315,7 +320,38 @@ class Watch:
                 have.add((id(n.d), n.key))
                 self.code.append(n)
         self.code_sizes += [(d, len(d)) for d in reads.sized if id(d) not in sized]
+        self._objects(reads.notes)
         self.rust = self._rust()
+
+    def _objects(self, notes: List[Note]) -> None:
+        """What the code's notes hold besides their identity, watched too: the exact class of each
+        object of a class Python code can reassign (a module, whose ``__class__`` may become a
+        ``ModuleType`` subclass with a ``__getattribute__``; a callable object set as ``F.gelu``),
+        and the keywords of a ``functools.partial`` (a dict the partial calls with, each entry by
+        identity, the dict sized)."""
+        have = {(id(n.d), n.key) for n in self.code if n.d is not None}
+        sized = {id(d) for d, _ in self.code_sizes}
+        classes = {n.label for n in self.code if n.d is None and n.key == "__class__"}
+        for n in list(notes):
+            value = n.value
+            held = [(n.label, value)]
+            if isinstance(value, functools.partial):  # what it calls: a callable object's class too
+                held.append((f"{n.label}.func", value.func))
+            for label, obj in held:
+                if isinstance(obj, types.ModuleType) or not type(obj).__flags__ & _IMMUTABLE:
+                    self.exact(obj)  # compared on every call; the note names it in a refusal
+                    if f"{label}.__class__" not in classes:
+                        classes.add(f"{label}.__class__")
+                        self.code.append(Note(None, "__class__", type(obj), f"{label}.__class__"))
+            keywords = getattr(value, "keywords", None) if isinstance(value, functools.partial) else None
+            if isinstance(keywords, dict):
+                if id(keywords) not in sized:
+                    sized.add(id(keywords))
+                    self.code_sizes.append((keywords, len(keywords)))
+                for key, v in keywords.items():
+                    if (id(keywords), key) not in have:
+                        have.add((id(keywords), key))
+                        self.code.append(Note(keywords, key, v, f"{n.label}.keywords[{key!r}]"))
 
     def seal(self) -> "Watch":
         self.sizes = [Sized(d, len(d)) for d in self._sized_dicts]
