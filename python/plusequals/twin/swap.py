@@ -103,7 +103,7 @@ class RustTransformerBlock(RustBlock):
     calls :meth:`RustBlock.forward` (differentiable; gradients reach the shared parameters) or,
     with ``owned=True`` and grad mode off, :meth:`RustBlock.forward_owned` (one copy, then the
     three residuals added in place). It follows its parameters and submodules exactly as a
-    ``RustBlock`` made with ``from_torch`` does (one mechanism: ``RustBlock._ensure_current``).
+    ``RustBlock`` made with ``from_torch`` does (one mechanism: twin/follow.py).
 
     Build it with :func:`swap_transformer_blocks`, which checks the block first. diffusers'
     layerwise casting runs around each call (twin/casting.py).
@@ -153,7 +153,7 @@ class RustTransformerBlock(RustBlock):
             kw = dict(attention_mask=attention_mask, encoder_hidden_states=encoder_hidden_states, timestep=timestep)
             kw.update(encoder_attention_mask=encoder_attention_mask, cross_attention_kwargs=cross_attention_kwargs)
             kw.update(class_labels=class_labels, added_cond_kwargs=added_cond_kwargs, **kwargs)
-            return delegated_call(self, modes, (hidden_states,), kw)
+            return delegated_call(self._follow, self._where(), modes, (hidden_states,), kw)
         masks = {"attention_mask": attention_mask, "encoder_attention_mask": encoder_attention_mask}
         cast = self._layerwise_casting()
         pair = isinstance(encoder_hidden_states, (tuple, list)) and len(encoder_hidden_states) > 0
@@ -173,7 +173,7 @@ class RustTransformerBlock(RustBlock):
             return ()  # traced: refused where the custom ops take the weights (RustBlock._traced_weights)
         reading = self._reading
         if reading is None or not reading.watch.unchanged():
-            self._reread(error)
+            self._follow.reread(error)
             if not self._reading.casting:
                 RustBlock._ensure_current(self, error)  # nothing to cast: built now, on the new reading
         return self._reading.casting
@@ -185,7 +185,7 @@ class RustTransformerBlock(RustBlock):
             with casting.window(cast):
                 why = casting.mixed_dtypes(self._reading.paths, self._reading.weights())
                 if why:
-                    self._refuse(UnsupportedBlockError, why)
+                    self._follow.refuse(UnsupportedBlockError, why)
                 yield
         finally:
             self._casting_now = False
