@@ -48,6 +48,7 @@ __all__ = [
     "UnsupportedBlockError",
     "sd_v1_unet_config",
     "swap_transformer_blocks",
+    "tiny_unet_config",
     "unswap_transformer_blocks",
 ]
 
@@ -446,3 +447,21 @@ def sd_v1_unet_config() -> Dict[str, Any]:
         "use_linear_projection": False,
         "upcast_attention": False,
     }
+
+
+def tiny_unet_config() -> Dict[str, Any]:
+    """SD v1's UNet shrunk (:func:`sd_v1_unet_config`), the one small UNet of the cases, the sweep, the
+    report's --quick step and the tests: 2 levels (one with cross-attention), 1 resnet each, 8 heads,
+    GroupNorm(32), 4 blocks."""
+    return dict(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        norm_num_groups=32,
+    )
