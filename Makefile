@@ -90,11 +90,14 @@ test-python: build-dev
 test-rust: venv
 	@$(MAKE) --no-print-directory cargo-test
 
-# make test: two job slots. pytest (on every core: pytest-xdist, each worker holding libtorch to
-# its share of the cores, tests/conftest.py) starts as soon as the release build is in; the other
-# slot runs cargo test, lint, then the install checks (the wheel and `pip install <repo>`, each into
-# a fresh venv: mostly pip unpacking torch and Python starting up), which fill what pytest leaves.
-test: venv
+# make test: the release build first, then two job slots. pytest (on every core: pytest-xdist, each
+# worker holding libtorch to its share of the cores, tests/conftest.py) starts as soon as the
+# release build is in; the other slot runs cargo test, lint, then the install checks (the wheel and
+# `pip install <repo>`, each into a fresh venv: mostly pip unpacking torch and Python starting up),
+# which fill what pytest leaves. The other builds wait for the release build: on a machine whose
+# ccache is empty, two builds started together would each compile torch-sys's C++ (minutes each);
+# one after the other, the second takes the objects from ccache. Warm, the release build takes seconds.
+test: build-dev
 	@$(MAKE) --no-print-directory -j2 --output-sync=line test-python test-rust lint test-install
 
 # The quick loop while developing: no lint, no install checks, the slow tests left out and a

@@ -1,6 +1,6 @@
 """Regenerates the audit corpus and sweep tables of the guide's audit page.
 
-    python scripts/audit_tables.py            # both (the full sweep: about 2 minutes on 2 cores)
+    python scripts/audit_tables.py            # all (the full sweep: about 11 CPU minutes, one thread)
     python scripts/audit_tables.py corpus     # only the corpus
     python scripts/audit_tables.py cost       # only the cost sentence, from docs/report-cpu/results.json
 

@@ -511,7 +511,7 @@ def test_the_readmes_real_model_table_is_what_the_audit_finds_now(diffusers):
     reports = [(m, cases.real_model_audit(m)) for m in cases.REAL_MODELS]
     for m, r in reports:
         assert set(r.codes) == m.expected, (m.name, r.findings[:3])
-        assert r.ops > 500 and r.modules > 100  # the forward's ops, and those of Python code in backward
+        assert r.ops > 400 and r.modules > 100  # the forward's ops, and those of Python code in backward
     assert guide_block("audit-models") == models_markdown(reports)
 
 

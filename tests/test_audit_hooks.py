@@ -2,8 +2,9 @@
 hooks, so no module has a hook of its own. ``nn.TransformerEncoderLayer`` and
 ``nn.MultiheadAttention`` take their fused fast path (which a module hook switches off) as they
 would unaudited, and the audit sees the fused op; the branches on grad mode and
-``has_torch_function`` go the same way; a ``ScriptModule`` inside a model is one call; a Rust twin
-inside an audited UNet still runs.
+``has_torch_function`` go the same way; a dispatch mode of the program sees the same ops, in the
+same order (the audit's own reads of what autograd saved, and the outputs it keeps, add none); a
+``ScriptModule`` inside a model is one call; a Rust twin inside an audited UNet still runs.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from typing import Dict, List
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import examples
 from plusequals.auditing import audit
 
 FUSED = ("aten._transformer_encoder_layer_fwd.default", "aten._native_multi_head_attention.default")
@@ -126,6 +130,68 @@ def test_the_grad_mode_and_torch_function_branches_go_the_same_way(grad):
     assert probe.seen[0] == probe.seen[1] == (grad, False, False, False)
     assert n_plain == n_audited and (sum(n_plain.values()) == 0) == grad
     assert torch.equal(plain, audited)
+
+
+class Ops(TorchDispatchMode):
+    """Every op, in order (a program's own dispatch mode: a counter, a profiler)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: List[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# What a step adds to `h`: factories (whose output autograd gives no history: a second reference
+# to it would make autograd hand over a detached copy), ops that save their output for backward,
+# and a module call (a boundary, where the audit reads what autograd saved)
+STEPS = {
+    "ones": lambda m, h: torch.ones(3),
+    "zeros_like": lambda m, h: torch.zeros_like(h),
+    "full_like": lambda m, h: torch.full_like(h, 2.0),
+    "rand_like": lambda m, h: torch.rand_like(h),
+    "arange": lambda m, h: torch.arange(3.0),
+    "new_ones": lambda m, h: h.new_ones(3),
+    "tensor": lambda m, h: torch.tensor([1.0, 2.0, 3.0]),
+    "to": lambda m, h: h.to(torch.float64).float(),
+    "sigmoid": lambda m, h: h.sigmoid(),
+    "exp": lambda m, h: (h * 0.1).exp(),
+    "module": lambda m, h: m.inner(h),
+}
+
+
+class Steps(nn.Module):
+    def __init__(self, steps: List[str]) -> None:
+        super().__init__()
+        self.steps = steps
+        self.inner = nn.Sequential(nn.Linear(3, 3), nn.Sigmoid())
+
+    def forward(self, x):
+        h = x * 1.0
+        for step in self.steps:
+            h = h + STEPS[step](self, h)
+        return h
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(st.lists(st.sampled_from(sorted(STEPS)), min_size=1, max_size=6), st.booleans(), st.booleans())
+def test_a_dispatch_mode_of_the_program_sees_the_same_ops_audited_as_plain(steps, grad, requires):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Steps(steps)
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(1)).requires_grad_(requires)
+    keep = Keep(model)
+    with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(grad), Ops() as plain:
+        torch.manual_seed(2)
+        expected = keep(x)
+    with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(grad), Ops() as audited:
+        torch.manual_seed(2)
+        report = audit(keep, x)
+    assert report.error is None and report.clean, (report.error, report.findings)
+    assert audited.ops == plain.ops
+    assert torch.equal(keep.out[1], expected)
 
 
 def test_no_module_gets_a_hook_and_a_script_module_is_one_call():

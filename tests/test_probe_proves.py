@@ -9,6 +9,7 @@ works again.
 
 from __future__ import annotations
 
+import contextvars
 import time
 from typing import Callable
 
@@ -283,3 +284,40 @@ def test_the_recheck_cost_is_a_few_forwards_and_the_hot_path_is_unchanged():
             assert time.perf_counter() - start < 5.0
     finally:
         probe_module._probe = original
+
+
+def test_a_swapped_unet_probes_the_calls_shapes_too(tiny_unet):
+    """The swap's blocks note the call's shapes for the probe, as ``RustBlock``'s do: ``F.gelu``
+    changed for a batch above 3 only is equal on every default probe input, and differs on the
+    call's batch of 4; the swapped UNet refuses it (never stale), the inputs unchanged, and
+    undone it gives the library's output again. Run in an empty context, where no earlier call's
+    shapes are noted."""
+    from plusequals import swap_transformer_blocks
+    from support.unet import unet_inputs
+
+    unet, reference = tiny_unet(), tiny_unet()
+    swap_transformer_blocks(unet)
+    sample, _, context = unet_inputs(batch=4)
+    t = torch.tensor(10)
+    change, undo = _gelu_unless(lambda x: x.shape[0] > 3)
+    spec = probe_module.BlockConfig(32, 4, 8, 32, True, "sdpa")
+    assert all(at.batch <= 3 for at in inputs(spec)), "no default probe input has the call's batch"
+
+    def scenario() -> str:
+        with torch.no_grad():
+            assert rel_err(unet(sample, t, context).sample, reference(sample, t, context).sample) <= TOL
+            change()
+            try:
+                expected = reference(sample, t, context).sample
+                before = (sample.clone(), context.clone())
+                with pytest.raises(UnsupportedBlockError, match="batch 4") as refusal:
+                    unet(sample, t, context)
+                assert torch.equal(sample, before[0]) and torch.equal(context, before[1])
+            finally:
+                undo()
+            assert rel_err(expected, unet(sample, t, context).sample) > TOL, "the change must show at batch 4"
+            assert rel_err(unet(sample, t, context).sample, reference(sample, t, context).sample) <= TOL
+        return str(refusal.value)
+
+    why = contextvars.Context().run(scenario)
+    assert "torch.nn.functional.gelu" in why, why

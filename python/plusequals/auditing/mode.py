@@ -229,7 +229,7 @@ class WriteWatch(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.exported:  # an aten write into exported memory is this watch's own (also through `.data`)
             self.exports.rebase([span(t) for t in written])
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and _may_save(func, args, kwargs):
             # a parameter's memory as the op used it: its `.data` may be swapped before the
             # next settle (no op shows that), and autograd then saved other data than it computed with
             params = [a for a in args if type(a) is Parameter]
@@ -258,7 +258,9 @@ class WriteWatch(TorchDispatchMode):
             return
         pending, self._pending = self._pending, []
         module = self.modules.current()
-        with torch._C.DisableTorchFunction():
+        # Reading a saved output unpacks it (an aten.detach): the audit's own op, which neither this
+        # watch nor a dispatch mode of the program (a counter, a profiler) beneath it may see.
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
             for out, quiet, at_op in pending:
                 if isinstance(out, Tensor):
                     self.saved.note(out.grad_fn, quiet, module, at_op)
@@ -469,6 +471,28 @@ class WriteWatch(TorchDispatchMode):
 
 
 _BELOW_AUTOGRAD = torch._C.DispatchKey.ADInplaceOrView
+
+
+_FACTORY: Dict[Any, bool] = {}  # op -> whether its schema takes `pin_memory` (a factory: ones, zeros_like)
+
+
+def _requires_grad(a: Any) -> bool:
+    if isinstance(a, Tensor):
+        return a.requires_grad
+    return isinstance(a, (list, tuple)) and any(isinstance(t, Tensor) and t.requires_grad for t in a)
+
+
+def _may_save(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the op's output may get an autograd node that saved something: not when no tensor
+    it was given requires grad, nor for a factory (autograd gives its output no history). The
+    watch keeps no reference to such an output: autograd's ``make_variable`` would see a second
+    one and hand the program a detached copy instead (an ``aten.detach`` the program never ran)."""
+    factory = _FACTORY.get(func)
+    if factory is None:
+        factory = _FACTORY[func] = any(a.name == "pin_memory" for a in func._schema.arguments)
+    if factory:
+        return False
+    return any(_requires_grad(a) for a in args) or any(_requires_grad(a) for a in kwargs.values())
 
 
 class PythonCalls(TorchFunctionMode):

@@ -40,6 +40,7 @@ from .delegate import delegated_call, under_function_mode
 from .dispatch import seen_by_python, symbolic
 from .faithful import SUPPORTED_PROCESSORS, read_block
 from .ip_adapter import forward_tuple
+from .probe import note_call
 
 __all__ = [
     "RustTransformerBlock",
@@ -156,9 +157,9 @@ class RustTransformerBlock(RustBlock):
             kw.update(class_labels=class_labels, added_cond_kwargs=added_cond_kwargs, **kwargs)
             return delegated_call(self._follow, self._where(), modes, (hidden_states,), kw)
         masks = {"attention_mask": attention_mask, "encoder_attention_mask": encoder_attention_mask}
-        cast = self._layerwise_casting()
         pair = isinstance(encoder_hidden_states, (tuple, list)) and len(encoder_hidden_states) > 0
         context = encoder_hidden_states[0] if pair else encoder_hidden_states
+        cast = self._layerwise_casting(call=(hidden_states, context))
         if not cast or symbolic(hidden_states, context) or seen_by_python(hidden_states, context, dispatch_modes=True):
             # traced, fake or seen by Python: refused where the custom ops take the weights (_traced_weights)
             return self._forward(hidden_states, encoder_hidden_states, masks, cross_attention_kwargs, kwargs)
@@ -166,14 +167,18 @@ class RustTransformerBlock(RustBlock):
             self._ensure_current()
             return self._forward(hidden_states, encoder_hidden_states, masks, cross_attention_kwargs, kwargs)
 
-    def _layerwise_casting(self, error: type = UnsupportedBlockError) -> tuple:
+    def _layerwise_casting(self, error: type = UnsupportedBlockError, call: tuple = ()) -> tuple:
         """diffusers' layerwise casting hooks in the block (twin/casting.py), from a current reading
         (a stale one is read again first; with hooks, :meth:`_ensure_current` builds inside the
-        casts), or () inside the casts."""
+        casts), or () inside the casts. ``call``: the call's ``(hidden_states, context)``, whose
+        shapes a check it runs probes too (:func:`plusequals.twin.probe.note_call`), as
+        ``RustBlock.forward``'s does; noted only when the reading is stale, off the hot path."""
         if self._source is None or self._casting_now or torch.compiler.is_compiling():
             return ()  # traced: refused where the custom ops take the weights (RustBlock._traced_weights)
         reading = self._reading
         if reading is None or not reading.watch.unchanged():
+            if call:
+                note_call(*call)
             self._follow.reread(error)
             if not self._reading.casting:
                 RustBlock._ensure_current(self, error)  # nothing to cast: built now, on the new reading
