@@ -3,7 +3,7 @@ blocks swapped for Rust ones, in interleaved rounds like the report (plusequals.
 
     python scripts/lora_unet_step.py [--full] [--rounds N] [--rank R] [--device cpu|cuda]
 
-The default UNet is the report's --quick one (plusequals.cases.project.tiny_unet_config); --full is
+The default UNet is the report's --quick one (plusequals.twin.swap.tiny_unet_config); --full is
 the SD v1 UNet (859.5M parameters). The adapter is rank R on to_q, to_k, to_v and to_out.0 of every
 attention (diffusers' usual LoRA targets), random non-zero weights. torch.no_grad(), batch 2.
 Prints one line per variant: median ms and the paired ratio to the plain eager step.
@@ -18,8 +18,7 @@ import torch
 
 from plusequals import swap_transformer_blocks
 from plusequals.bench.timing import interleaved_rounds, paired_ratios, spread
-from plusequals.cases.project import tiny_unet_config
-from plusequals.twin.swap import sd_v1_unet_config
+from plusequals.twin.swap import sd_v1_unet_config, tiny_unet_config
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import torch
 import torch._dynamo  # noqa: F401  (below)
 from hypothesis import HealthCheck, settings
 
-sys.path.insert(0, str(Path(__file__).parent))  # compvis_reference
+sys.path.insert(0, str(Path(__file__).parent))  # conftest and support, for the test modules
 # torch._dynamo is imported once for the session (import plusequals does not import it): pytester's
 # in-process runs drop the modules first imported inside them, and torch._inductor's test library,
 # which Dynamo imports, cannot be defined a second time in one process.

@@ -24,10 +24,10 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from boundary_helpers import _raw_block, assert_matches, same_bits, small_block, small_inputs
 from conftest import examples
 from plusequals import DonatedTensor, OwnershipError, RustBlock
 from plusequals.twin import aliases
+from support.boundary import _raw_block, assert_matches, same_bits, small_block, small_inputs
 
 # A race runs until both of its outcomes were seen, at most this many attempts: a count, not a
 # wall-clock limit, so that a busy machine only makes it slower.

@@ -1,6 +1,6 @@
 """The Python <-> Rust boundary, hardened: bad inputs, leaks, shared weights. Nothing crashes,
 nothing mutates, nothing is lost. Donation is in test_donation.py, every alias route in
-test_aliases.py, threads and the GIL in test_threads.py; their helpers in boundary_helpers.py.
+test_aliases.py, threads and the GIL in test_threads.py; their helpers in support/boundary.py.
 
 1. Bad inputs (hypothesis, 500 cases per entry point: ``RustBlock.from_torch``,
    ``RustBlock.from_state_dict``, ``forward``, ``forward_owned``). Each call either equals the
@@ -41,8 +41,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import compvis_reference
-from boundary_helpers import (
+from conftest import cuda, make_block, rel_err
+from plusequals import BasicTransformerBlock, DonatedTensor, OwnershipError, RustBlock, UnsupportedBlockError, _rust
+from support import compvis_reference
+from support.boundary import (
     CTX,
     D_HEAD,
     DIM,
@@ -59,8 +61,6 @@ from boundary_helpers import (
     snapshot,
     unchanged,
 )
-from conftest import cuda, make_block, rel_err
-from plusequals import BasicTransformerBlock, DonatedTensor, OwnershipError, RustBlock, UnsupportedBlockError, _rust
 
 FUZZ_CASES = 500
 ALLOWED = (TypeError, ValueError, RuntimeError)
@@ -87,7 +87,7 @@ warnings.filterwarnings("ignore", message=".*nested tensors is in prototype.*") 
 pytestmark = pytest.mark.filterwarnings("ignore:.*nested tensors is in prototype")
 
 
-# ============================================================================ shared helpers: tests/boundary_helpers.py
+# ============================================================================ shared helpers: tests/support/boundary.py
 
 
 def attempt(fn, problems, label, refused="valid call refused"):
@@ -776,7 +776,7 @@ def make_fuzz_module(spec):
             ),
             spec["seed"],
         ).eval()
-        return block, [] if spec["trust"] else [("compvis_reference.BasicTransformerBlock", "value")]
+        return block, [] if spec["trust"] else [("support.compvis_reference.BasicTransformerBlock", "value")]
 
     block = make_block(
         spec["dim"],

@@ -21,17 +21,17 @@ Every test resets dynamo before and after (its caches are process-wide).
 
 from __future__ import annotations
 
-import contextlib
 import io
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from boundary_helpers import CTX, D_HEAD, DIM, HEADS, small_block, small_inputs
 from conftest import make_block, make_inputs, rel_err
 from plusequals import CppBlock, RustBlock, UnsupportedBlockError
+from plusequals.bench.timing import intra_op_threads
 from plusequals.twin import ops
+from support.boundary import CTX, D_HEAD, DIM, HEADS, small_block, small_inputs
 
 
 @pytest.fixture(autouse=True)
@@ -160,16 +160,6 @@ def test_inductor_compiles_a_rust_block_forward_and_backward():
     rust(xe, c).square().sum().backward()
     assert torch.equal(xc.grad, xe.grad)
     assert all(torch.equal(a, p.grad) for a, p in zip(grads, block.parameters()))
-
-
-@contextlib.contextmanager
-def intra_op_threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_compiled_unet_training_matches_eager(tiny_unet):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from boundary_helpers import (
+from plusequals import DonatedTensor, DonationConsumed, OwnershipError, RustBlock, UseAfterDonation
+from support.boundary import (
     DIM,
     _raw_block,
     _raw_error,
@@ -19,7 +20,6 @@ from boundary_helpers import (
     snapshot,
     unchanged,
 )
-from plusequals import DonatedTensor, DonationConsumed, OwnershipError, RustBlock, UseAfterDonation
 
 
 @pytest.fixture

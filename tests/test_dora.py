@@ -10,13 +10,10 @@ merge/unmerge, scales, train/eval) check that each call equals PEFT's or is refu
 (the oracle: PEFT's public state); the swapped small UNet gets DoRA through ``unet.add_adapter``.
 """
 
-import warnings
-
 import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 from conftest import examples, rel_err
 from plusequals import UnsupportedBlockError, swap_transformer_blocks
@@ -31,8 +28,8 @@ from support.lora import (  # noqa: E402
     SLOW,
     adapter_configs,
     add_adapter,
-    apply,
     call,
+    followed_or_refused,
     inputs,
     layers,
     lora_block,
@@ -128,41 +125,13 @@ def test_peft_input_cast_turned_off_is_refused_naming_it():
         assert torch.equal(call(rust, x, c), call(block, x, c))
 
 
-def expected_refusal(block) -> str:
-    """What the drop-in must refuse in PEFT's current state (from PEFT's public state), or ''."""
-    for layer in layers(block):
-        if layer.disable_adapters and layer.merged:
-            return "disabled while"
-        if layer.disable_adapters or layer.merged:
-            continue
-        for name in layer.active_adapters:
-            drop = layer.lora_dropout[name] if name in layer.lora_A else None
-            if isinstance(drop, nn.Dropout) and layer.training:  # p > 0, or DoRA's recomputed base result
-                return "in training mode"
-    return ""
-
-
 @settings(SLOW, max_examples=examples(10))
 @given(st.lists(OPS, min_size=1, max_size=8))
 def test_changes_after_the_read_are_followed_or_refused_never_stale(ops):
     block = lora_block(seed=3, lora_dropout=0.0, use_dora=True)
     add_adapter(block, "b", 9, r=2, lora_alpha=3, lora_dropout=0.25, target_modules=["to_v", "proj"], use_dora=True)
     block.eval()  # peft makes the new adapter's dropouts in training mode
-    rust = RustTransformerBlock(block)
-    x, c = inputs(seed=4)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PEFT warns on merging a merged adapter, unmerging an unmerged one
-        assert torch.equal(call(rust, x, c), call(block, x, c))
-        for op in ops:
-            apply(block, op)
-            cause = expected_refusal(block)
-            if cause:
-                kept = x.clone()
-                with pytest.raises(UnsupportedBlockError, match=cause):
-                    call(rust, x, c)
-                assert torch.equal(x, kept)
-            else:
-                assert torch.equal(call(rust, x, c), call(block, x, c)), op
+    followed_or_refused(block, ops, dora=True)
 
 
 def test_dora_training_through_the_rust_block():

@@ -10,7 +10,6 @@ import pickle
 import pytest
 import torch
 
-from boundary_helpers import small_block, small_inputs
 from plusequals import (
     DonationConsumed,
     OwnershipError,
@@ -20,6 +19,7 @@ from plusequals import (
     UseAfterDonation,
     WeightsChanged,
 )
+from support.boundary import small_block, small_inputs
 
 FIELDS = {
     OwnershipError: ("arg", "why", "count", "modes"),

@@ -83,8 +83,8 @@ def test_twin_has_the_compvis_modules_and_copies_the_weights():
 
 
 def test_non_gated_feed_forward_and_compvis_reference():
-    import compvis_reference
     from conftest import randomize_
+    from support import compvis_reference
 
     x, c = make_inputs()
     block = make_block(gated_ff=False)

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from conftest import examples, rel_err
 from plusequals import RustBlock, UnsupportedBlockError, swap_transformer_blocks
+from plusequals.bench.timing import intra_op_threads
 from plusequals.twin.swap import RustTransformerBlock
 
 pytest.importorskip("peft", reason="needs the optional extra plusequals[diffusers]")
@@ -77,10 +78,8 @@ def threads(request):
     below batch 16 is THNN's, which reads the weight autograd saved, stored in fp8 again by the
     casting's post-forward: diffusers' own backward fails there ("expected scalar type Float but
     found Float8_e4m3fn"); with two it is oneDNN's, and runs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    with intra_op_threads(request.param):
+        yield request.param
 
 
 def outcome(unet, dtype):

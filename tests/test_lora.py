@@ -10,13 +10,10 @@ library's output in that state or is refused naming the cause; the oracle of whi
 public state, not the reader's.
 """
 
-import warnings
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
 
 from conftest import randomize_, rel_err
 from plusequals import BasicTransformerBlock, CppBlock, RustBlock, UnsupportedBlockError
@@ -35,8 +32,8 @@ from support.lora import (  # noqa: E402
     SLOW,
     adapter_configs,
     add_adapter,
-    apply,
     call,
+    followed_or_refused,
     inputs,
     layers,
     lora_block,
@@ -65,42 +62,13 @@ def test_lora_block_matches_the_library_bit_for_bit(first, second, both_active):
     assert rel_err(expected, plain) > 1e-3, "the adapters should change the output"
 
 
-def expected_refusal(block) -> str:
-    """What the drop-in must refuse in PEFT's current state (from PEFT's public state), or ''."""
-    for layer in layers(block):
-        if layer.disable_adapters and layer.merged:
-            return "disabled while"
-        if layer.disable_adapters or layer.merged:
-            continue
-        for name in layer.active_adapters:
-            drop = layer.lora_dropout[name] if name in layer.lora_A else None
-            if isinstance(drop, nn.Dropout) and drop.p > 0 and drop.training:
-                return "in training mode"
-    return ""
-
-
 @SLOW
 @given(st.lists(OPS, min_size=1, max_size=8))
 def test_changes_after_the_read_are_followed_or_refused_never_stale(ops):
     block = lora_block(seed=3, lora_dropout=0.0)
     add_adapter(block, "b", 9, r=2, lora_alpha=3, lora_dropout=0.25, target_modules=["to_v", "proj"])
     block.eval()  # peft makes the new adapter's dropouts in training mode
-    rust = RustTransformerBlock(block)
-    x, c = inputs(seed=4)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PEFT warns on merging a merged adapter, unmerging an unmerged one
-        assert torch.equal(call(rust, x, c), call(block, x, c))
-        for op in ops:
-            apply(block, op)
-            cause = expected_refusal(block)
-            if cause:
-                kept = x.clone()
-                with pytest.raises(UnsupportedBlockError, match=cause):
-                    call(rust, x, c)
-                assert torch.equal(x, kept)
-            else:
-                got = call(rust, x, c)
-                assert torch.equal(got, call(block, x, c)), op
+    followed_or_refused(block, ops)
 
 
 def test_lora_training_through_the_rust_block():

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import compvis_reference
 from conftest import SHAPES, make_block, make_inputs, randomize_, rel_err
 from plusequals import BasicTransformerBlock, CppBlock, RustBlock, UnsupportedBlockError
 from plusequals.twin.faithful import read_block
+from support import compvis_reference
 
 TOL = 1e-5  # the documented bound where the ops differ (README)
 

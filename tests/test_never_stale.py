@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from conftest import make_block, make_inputs
 from plusequals import CppBlock, OwnershipError, RustBlock, UnsupportedBlockError, swap_transformer_blocks
-from plusequals.twin import block as block_module
+from plusequals.twin import follow as follow_module
 from plusequals.twin.forward_code import INERT, code_reads
 from plusequals.twin.probe import bound, differs
 
@@ -128,13 +128,13 @@ def test_a_class_entry_no_forward_reads_is_no_change_of_the_code(monkeypatch):
     labels = {n.label.rsplit(".", 1)[-1] for n in code_reads(list(block.modules()))}
     assert not labels & INERT and "forward" in labels
     probes = []
-    original = block_module.probe
-    monkeypatch.setattr(block_module, "probe", lambda *a: probes.append(1) or original(*a))
+    original = follow_module.probe
+    monkeypatch.setattr(follow_module, "probe", lambda *a: probes.append(1) or original(*a))
     monkeypatch.setattr(BaseTunerLayer, "__doc__", "patched")
     monkeypatch.setattr(BaseTunerLayer, "__abstractmethods__", frozenset())
     with torch.no_grad():
         assert torch.equal(rust(x, c), call(block, x, c))
-    assert probes == [] and rust._code_changes == []
+    assert probes == [] and rust._follow.code_changes == []
 
 
 # ----------------------------------------------------------------------------- function modes

@@ -6,10 +6,10 @@ Tolerance: fp32 on the CPU, relative error ||a - b|| / ||b|| <= 1e-5 (the projec
 import pytest
 import torch
 
-import compvis_reference
 from conftest import BATCH, CONTEXT, SHAPES, cuda, make_block, make_inputs, rel_err
 from plusequals import BasicTransformerBlock, RustBlock
 from plusequals.model.blocks import STRATEGIES
+from support import compvis_reference
 
 TOL = 1e-5
 

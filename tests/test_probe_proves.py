@@ -248,12 +248,12 @@ def test_the_compvis_block_runs_the_rust_blocks_aten_ops_and_reads_no_value():
     Rust block's, op for op (names, overloads, non-tensor arguments): the first check records
     that, and no value read."""
     block, rust, x, c = _block_and_inputs()
-    assert rust._ran is not None and rust._ran.ops is not None
+    assert rust._follow.ran is not None and rust._follow.ran.ops is not None
     xs, cs, _ = _tensors(rust._config, block.norm1.weight, SEEDED)
     with torch.no_grad():
         _, ops = trace(block, xs, cs)
         _, twin = trace(rust._twin.inner.forward, xs, cs)
-    assert ops == twin == list(rust._ran.ops.ops)
+    assert ops == twin == list(rust._follow.ran.ops.ops)
     assert value_reads(ops) == []
     assert value_reads([("aten._local_scalar_dense.default", ()), ("aten.equal.default", ())]) == [
         "aten._local_scalar_dense.default",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from plusequals.bench.results import NUMBER, fmt
-from report_tokens import tokens
+from support.report_tokens import tokens
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"<!-- numbers: (\S+) .*?-->(.*?)<!-- /numbers -->", re.S)

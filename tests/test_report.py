@@ -19,7 +19,7 @@ from plusequals.bench import measure, timing
 from plusequals.bench.results import NUMBER, fmt
 from plusequals.bench.setup import HOST_THREADS
 from plusequals.bench.variants import HOST_VARIANTS
-from report_tokens import tokens
+from support.report_tokens import tokens
 
 
 def test_a_smoke_run_says_so_and_a_real_run_keeps_its_rounds(quick_report_run):
@@ -544,10 +544,10 @@ def test_the_audit_cost_section_says_met_or_missed_as_its_numbers_do():
     from plusequals.bench.analyse import audit_cost_targets
     from plusequals.bench.audit_cost import FAMILIES
     from plusequals.bench.render import audit_cost_claim, audit_cost_sentences
-    from plusequals.bench.results import AuditCost, AuditFamily, Results, UnetRow
+    from plusequals.bench.results import AuditCost, AuditFamily, AuditRow, Results
 
-    def row(name: str, ratio: float) -> UnetRow:
-        return UnetRow(name, 60.0 * ratio, 1.0, ratio, ratio - 0.05, ratio + 0.05, ratio - 0.05 <= 1 <= ratio + 0.05)
+    def row(name: str, ratio: float) -> AuditRow:
+        return AuditRow(name, 60.0 * ratio, 1.0, ratio, ratio - 0.05, ratio + 0.05, ratio - 0.05 <= 1 <= ratio + 0.05)
 
     names = ("eager", "anomaly mode", "plusequals.audit", "a TorchDispatchMode that does nothing (forward)")
     ratios = st.tuples(st.floats(1.0, 2.0), st.floats(1.0, 2.0), st.floats(1.0, 1.2))

@@ -20,9 +20,9 @@ from torch.nn.modules.module import (
 )
 from torch.utils.flop_counter import FlopCounterMode
 
-import compvis_reference
 from conftest import CONTEXT, make_block, make_inputs, randomize_, rel_err
 from plusequals import CppBlock, RustBlock, UnsupportedBlockError
+from support import compvis_reference
 from support.sites import SITES, TOL, Site
 
 

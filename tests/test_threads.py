@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from boundary_helpers import same_bits, small_block, small_inputs, snapshot, unchanged
 from conftest import make_block
 from plusequals import RustBlock, WeightsChanged
+from support.boundary import same_bits, small_block, small_inputs, snapshot, unchanged
 
 # A race runs until both of its outcomes were seen, at most this many attempts: a count, not a
 # wall-clock limit, so that a busy machine only makes it slower.

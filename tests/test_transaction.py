@@ -30,8 +30,8 @@ from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from boundary_helpers import CTX, D_HEAD, DIM, HEADS, assert_matches, same_bits, small_block, small_inputs
 from plusequals import CppBlock, DonatedTensor, DonationConsumed, OwnershipError, RustBlock, _rust
+from support.boundary import CTX, D_HEAD, DIM, HEADS, assert_matches, same_bits, small_block, small_inputs
 
 ENTRIES = ["RustBlock", "CppBlock", "raw-rust", "raw-cpp"]
 

@@ -35,9 +35,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from boundary_helpers import CTX, D_HEAD, DIM, HEADS, TOL, same_bits, small_block
 from conftest import rel_err
 from plusequals import CppBlock, DonatedTensor, DonationConsumed, OwnershipError, RustBlock, _rust
+from support.boundary import CTX, D_HEAD, DIM, HEADS, TOL, same_bits, small_block
 
 EXAMPLES = 500
 

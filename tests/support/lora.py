@@ -2,6 +2,9 @@
 never-stale tests: the block and its adapters (seeded, the global generator left as it was), its
 inputs and call, the adapter configurations and state changes that hypothesis draws."""
 
+import warnings
+
+import pytest
 import torch
 from diffusers.models.attention import BasicTransformerBlock as DiffusersBlock
 from hypothesis import HealthCheck, settings
@@ -11,7 +14,9 @@ from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
 from conftest import examples
+from plusequals import UnsupportedBlockError
 from plusequals.model.blocks import randomize_
+from plusequals.twin.swap import RustTransformerBlock
 
 DIM, HEADS, D_HEAD, CTX = 32, 4, 8, 24
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj", "net.2"]  # every linear of the block
@@ -99,3 +104,39 @@ def apply(block, op):
             layer.scale_layer(args[0])
         elif kind == "unscale_layer":
             layer.unscale_layer(args[0])
+
+
+def expected_refusal(block, dora: bool = False) -> str:
+    """What the drop-in must refuse in PEFT's current state (from PEFT's public state), or ''. An
+    active adapter's dropout in training mode is refused where it is not the identity: p > 0, or
+    with DoRA at any p (DoRA recomputes the base result in training mode)."""
+    for layer in layers(block):
+        if layer.disable_adapters and layer.merged:
+            return "disabled while"
+        if layer.disable_adapters or layer.merged:
+            continue
+        for name in layer.active_adapters:
+            drop = layer.lora_dropout[name] if name in layer.lora_A else None
+            if isinstance(drop, nn.Dropout) and (layer.training if dora else drop.p > 0 and drop.training):
+                return "in training mode"
+    return ""
+
+
+def followed_or_refused(block, ops, dora: bool = False) -> None:
+    """``block``'s swapped twin, with the state changes ``ops`` applied to ``block`` one by one:
+    each call equals PEFT's, or is refused naming the cause (:func:`expected_refusal`), ``x`` untouched."""
+    rust = RustTransformerBlock(block)
+    x, c = inputs(seed=4)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT warns on merging a merged adapter, unmerging an unmerged one
+        assert torch.equal(call(rust, x, c), call(block, x, c))
+        for op in ops:
+            apply(block, op)
+            cause = expected_refusal(block, dora)
+            if cause:
+                kept = x.clone()
+                with pytest.raises(UnsupportedBlockError, match=cause):
+                    call(rust, x, c)
+                assert torch.equal(x, kept)
+            else:
+                assert torch.equal(call(rust, x, c), call(block, x, c)), op

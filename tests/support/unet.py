@@ -1,4 +1,4 @@
-"""The project's tiny UNet (``plusequals.cases.project.tiny_unet_config``) as the tests use it:
+"""The project's tiny UNet (``plusequals.twin.swap.tiny_unet_config``) as the tests use it:
 its transformer blocks randomised, its inputs, a call. conftest's session fixture ``tiny_unet``
 builds it once per seed and gives each test a deep copy (:class:`TinyUnets`)."""
 
@@ -10,8 +10,8 @@ from typing import Dict
 import torch
 from torch import nn
 
-from plusequals.cases.project import tiny_unet_config
 from plusequals.model.blocks import randomize_
+from plusequals.twin.swap import tiny_unet_config
 
 N_BLOCKS = 4  # transformer blocks: width 32 (three, head width 4) and 64 (the mid block's, head width 8)
 REPLACED = "up_blocks.1.attentions.1.transformer_blocks.0"  # where the refusal tests plant a bad block

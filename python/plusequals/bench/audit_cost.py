@@ -24,17 +24,16 @@ extra); a family whose library is missing is skipped, saying why.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .results import AuditCost, AuditFamily
-from .timing import interleaved_rounds, paired_ratios, spread
+from .results import AuditCost, AuditFamily, AuditRow
+from .timing import interleaved_rounds, intra_op_threads, paired_ratios, spread
 from .unet import step_row
 
 BATCH, SIZE, CLASSES, TOKENS = 2, 64, 10, 32
@@ -192,16 +191,6 @@ def probes(model: torch.nn.Module, x: torch.Tensor) -> dict[str, Callable[[], No
     return {EAGER: eager, ANOMALY: anomaly, AUDITED: audited, BARE: bare}
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _settled(raw: dict[str, list[float]]) -> bool:
     return all(spread(paired_ratios(ts, raw[EAGER])).iqr <= SETTLED_IQR for name, ts in raw.items() if name != EAGER)
 
@@ -230,7 +219,7 @@ def measure_family(f: Family, sample_s: float, seed: int, smoke: bool = False) -
         return AuditFamily(family=f.family, model=f.model, what=f.what, skipped=why)
     from ..auditing import audit
 
-    with one_thread(), torch.random.fork_rng():
+    with intra_op_threads(THREADS), torch.random.fork_rng():
         model, x = build(f)
         found = audit(model, x, backward=True)
         rounds = SMOKE_ROUNDS if smoke else ROUNDS
@@ -250,7 +239,7 @@ def measure_family(f: Family, sample_s: float, seed: int, smoke: bool = False) -
         family=f.family,
         model=f.model,
         what=f.what,
-        rows=[step_row(name, timed.raw_ms) for name in timed.raw_ms],
+        rows=[step_row(name, timed.raw_ms, AuditRow) for name in timed.raw_ms],
         audit=f"{found.summary()}, {moves} moves",
         rounds=timed.record(),
     )

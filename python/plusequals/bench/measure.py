@@ -434,9 +434,7 @@ def host_cost(
     """The host-cost cell: ``variants.HOST_VARIANTS`` at ``setup.HOST_SHAPE``, batch 1, on one
     intra-op thread (restored after), timed in interleaved rounds like every other cell. Returns
     results.json's ``host_cost``."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(HOST_THREADS)
-    try:
+    with timing.intra_op_threads(HOST_THREADS):
         s = make_setup(HOST_SHAPE, HOST_BATCH, HOST_CONTEXT, device, dtype)
         with torch.no_grad():
             variants = host_variants(s, HOST_LOOP_N)
@@ -451,8 +449,6 @@ def host_cost(
                 max_rounds=max_rounds,
                 extra_s=extra_s,
             )
-    finally:
-        torch.set_num_threads(threads)
     return HostCost(
         batch=HOST_BATCH,
         shape=HOST_SHAPE.record(),

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from .analyse import EXTRA_PAIRS, verdict_items
-from .results import AuditCost, AuditFamily, CellTiming, HostCost, Paired, Results, UnetRow, fmt
+from .results import AuditCost, AuditFamily, CellTiming, HostCost, Paired, Results, StepTiming, UnetRow, fmt
 
 # Marks a paired ratio whose interquartile interval contains 1.
 NOISE_MARK = "≈"
@@ -35,8 +35,13 @@ def ratio_cell(p: Optional[Paired]) -> str:
     return "-" if p is None else ratio(p.median, p.q1, p.q3, p.within_noise)
 
 
+def step_ratio(r: Optional[StepTiming]) -> str:
+    """A step's paired ratio to eager (``ratio``), or "-" where it was not timed."""
+    return "-" if r is None else ratio(r.vs_eager, r.vs_eager_q1, r.vs_eager_q3, r.within_noise)
+
+
 def unet_ratio_cell(r: UnetRow) -> str:
-    return "reference" if r.name == "eager" else ratio(r.vs_eager, r.vs_eager_q1, r.vs_eager_q3, r.within_noise)
+    return "reference" if r.name == "eager" else step_ratio(r)
 
 
 def _or_dash(v: Optional[float]) -> str:
@@ -402,10 +407,6 @@ AUDITED, ANOMALY, BARE = "plusequals.audit", "anomaly mode", "a TorchDispatchMod
 AUDIT_COST_TABLE = "Each family's train step"  # the caption of the section's table
 
 
-def _paired(r: Optional[UnetRow]) -> str:
-    return "-" if r is None else ratio(r.vs_eager, r.vs_eager_q1, r.vs_eager_q3, r.within_noise)
-
-
 def audit_family_sentence(f: AuditFamily, target: float) -> str:
     """One family's verdict: the audit's and anomaly mode's paired ratios to eager, and the
     target met or missed (or why the family was not measured)."""
@@ -413,11 +414,11 @@ def audit_family_sentence(f: AuditFamily, target: float) -> str:
     if audited is None:
         return f"{f.model} ({f.family}): not measured ({f.skipped or 'no rows'})."
     floor = f.row(BARE)
-    beside = "" if floor is None else f", a dispatch mode that does nothing {_paired(floor)}"
+    beside = "" if floor is None else f", a dispatch mode that does nothing {step_ratio(floor)}"
     verdict = "met" if audited.vs_eager <= target else "missed"
     return (
-        f"{f.model} ({f.family}): the audit costs {_paired(audited)} times an eager step, anomaly mode "
-        f"{_paired(f.row(ANOMALY))}{beside}: {verdict}."
+        f"{f.model} ({f.family}): the audit costs {step_ratio(audited)} times an eager step, anomaly mode "
+        f"{step_ratio(f.row(ANOMALY))}{beside}: {verdict}."
     )
 
 

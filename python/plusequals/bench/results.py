@@ -183,8 +183,9 @@ class CompilerInfo(Record):
 
 
 @dataclass(frozen=True)
-class UnetRow(Record):
-    """One implementation of the whole UNet step: its time, and its paired ratio to eager."""
+class StepTiming(Record):
+    """A whole step run one way (``name``): its time over the rounds, and its ratio to the eager
+    step's, paired per round (median and quartiles; ``within_noise``: they contain 1)."""
 
     name: str
     median_ms: float
@@ -193,6 +194,17 @@ class UnetRow(Record):
     vs_eager_q1: float
     vs_eager_q3: float
     within_noise: bool
+
+
+@dataclass(frozen=True)
+class UnetRow(StepTiming):
+    """One implementation of the whole UNet step (eager, compiled, the swapped blocks, ...)."""
+
+
+@dataclass(frozen=True)
+class AuditRow(StepTiming):
+    """One way of running a model family's train step in the audit's cost cell: eager, anomaly
+    mode, ``plusequals.audit``, a dispatch mode that does nothing."""
 
 
 @dataclass(frozen=True)
@@ -220,16 +232,16 @@ class AuditFamily(Record):
     family: str  # the kind of model ("a CNN with in-place activations")
     model: str  # the model's short name, as the targets name it ("resnet18")
     what: str = ""
-    rows: list[UnetRow] = field(default_factory=list)
+    rows: list[AuditRow] = field(default_factory=list)
     audit: Optional[str] = None  # the audit's summary of the step, and its moves
     rounds: Optional[dict[str, Any]] = None  # as ``Rounds.record``
     skipped: Optional[str] = None
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> AuditFamily:
-        return replace(super().from_json(d), rows=[UnetRow.from_json(r) for r in d.get("rows", [])])
+        return replace(super().from_json(d), rows=[AuditRow.from_json(r) for r in d.get("rows", [])])
 
-    def row(self, name: str) -> Optional[UnetRow]:
+    def row(self, name: str) -> Optional[AuditRow]:
         return next((r for r in self.rows if r.name == name), None)
 
 

@@ -13,12 +13,13 @@ A probe is a zero-argument callable; this module knows nothing of what it runs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch.utils import benchmark
@@ -216,3 +217,14 @@ def interleaved_rounds(
         if done == rounds:
             extra_since = now()
     return Rounds(seed, orders[:done], numbers, raw)
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """libtorch's intra-op thread count set to ``n`` inside the block, and restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .results import UnetRow
+from .results import StepTiming, UnetRow
 from .timing import interleaved_rounds, paired_ratios, spread, sync
 
 BATCH = 2
@@ -42,8 +42,7 @@ def measure(
         from diffusers.models.attention import BasicTransformerBlock as DiffusersBlock
     except ImportError as e:
         return {"skipped": f"diffusers is not installed ({e}); `pip install plusequals[diffusers]`"}
-    from ..cases.project import tiny_unet_config
-    from ..twin.swap import sd_v1_unet_config
+    from ..twin.swap import sd_v1_unet_config, tiny_unet_config
 
     config = tiny_unet_config() if quick else sd_v1_unet_config()
     unet = _make_unet(UNet2DConditionModel, config, device, dtype)
@@ -142,11 +141,12 @@ def _compiled(unet: torch.nn.Module, step: Callable, device: str, out: dict) -> 
     return compiled
 
 
-def step_row(name: str, raw_ms: dict[str, list[float]]) -> UnetRow:
-    """One probe of a whole step: its time over the rounds and its ratio to ``eager``, paired per round."""
+def step_row(name: str, raw_ms: dict[str, list[float]], kind: type[StepTiming] = UnetRow) -> StepTiming:
+    """One probe of a whole step, as a ``kind`` row: its time over the rounds and its ratio to
+    ``eager``, paired per round."""
     ms = spread(raw_ms[name])
     vs = spread(paired_ratios(raw_ms[name], raw_ms["eager"]))
-    return UnetRow(
+    return kind(
         name=name,
         median_ms=ms.median,
         iqr_ms=ms.iqr,

@@ -8,7 +8,7 @@ real models on the meta device. ``agreement`` checks each strategy's findings ag
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from ..auditing import AuditReport, audit
 from ..model.blocks import STRATEGIES
 from ..model.bugs import EXPECTED, LEAF, OUT_NO_AUTOGRAD, VERSION_COUNTER, VIEW_OF_LEAF, small_block
+from ..twin.swap import sd_v1_unet_config, tiny_unet_config
 
 __all__ = [
     "EXPECTED",
@@ -106,23 +107,6 @@ def agreement(strategy: str, setting: str, report: AuditReport) -> Optional[str]
 # --------------------------------------------------------------------------------------------
 # diffusers: a small UNet2DConditionModel, with and without the seed's `+=`
 # --------------------------------------------------------------------------------------------
-def tiny_unet_config() -> Dict[str, Any]:
-    """SD v1's UNet shrunk, the one small UNet of the cases, the sweep, the report's --quick step and
-    the tests: 2 levels (one with cross-attention), 1 resnet each, 8 heads, GroupNorm(32), 4 blocks."""
-    return dict(
-        sample_size=16,
-        in_channels=4,
-        out_channels=4,
-        block_out_channels=(32, 64),
-        layers_per_block=1,
-        cross_attention_dim=32,
-        attention_head_dim=8,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        norm_num_groups=32,
-    )
-
-
 def seed_iadd_forward(
     self: nn.Module,
     hidden_states: Tensor,
@@ -193,8 +177,6 @@ class RealModel(NamedTuple):
 
 def _sd_unet() -> Tuple[nn.Module, tuple]:
     import diffusers
-
-    from ..twin.swap import sd_v1_unet_config
 
     unet = diffusers.UNet2DConditionModel(**sd_v1_unet_config())
     return unet, (torch.randn(2, 4, 64, 64), torch.tensor([10, 700]), torch.randn(2, 77, 768))

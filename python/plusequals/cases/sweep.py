@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from ..auditing import AuditReport, audit
+from ..twin.swap import tiny_unet_config
 from .paired import paired
-from .project import tiny_unet_config
 
 __all__ = [
     "MOVES",
@@ -457,7 +457,7 @@ def _transformers() -> List[SweepModel]:
     return [SweepModel("transformers", n, b, "cpu") for n, b in builds.items()]
 
 
-# the project's tiny UNet (cases.project.tiny_unet_config) at 8 x 8 latents
+# the project's tiny UNet (twin.swap.tiny_unet_config) at 8 x 8 latents
 _UNET: Dict[str, Any] = {**tiny_unet_config(), "sample_size": 8}
 
 

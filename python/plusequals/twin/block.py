@@ -3,8 +3,9 @@ as a ``torch.nn.Module``.
 
 What a block must be for the Rust block to reproduce it is :mod:`plusequals.twin.faithful` (shared with
 the diffusers swap); how a RustBlock made from a module stays on that module's current weights
-is :meth:`RustBlock._ensure_current` (shared with the swap's replacement, a subclass); what
-``torch.compile``, ``torch.export`` and FakeTensor see is :mod:`plusequals.twin.ops`.
+is :class:`plusequals.twin.follow.Follow` (which the swap's replacement, a subclass, holds too); where
+a call goes is :func:`plusequals.twin.route.route`; what ``torch.compile``, ``torch.export`` and
+FakeTensor see is :mod:`plusequals.twin.ops`.
 """
 
 from __future__ import annotations
@@ -17,19 +18,18 @@ from torch import Tensor, nn
 
 from .. import _rust
 from ..errors import OwnershipError, UnsupportedBlockError
-from . import letgo, ops
+from . import ops
 from .adapter import Carried
 from .arguments import check_tensor, masks_of, seen
 from .build import check_dims, validated_inner
 from .config import BlockConfig
 from .delegate import delegated
 from .dispatch import autocast_dtype, converts_results, why_not_donatable
-from .faithful import ADAPTERS, CHILDREN, Reading, can_probe, probe, read_block
-from .forward_code import code_changes
+from .faithful import ADAPTERS, Reading, read_block
+from .follow import Follow
 from .hooks import run_under_saved_tensor_hooks
 from .ip_adapter import forward_tuple
 from .probe import note_call
-from .record import Ran, Recorder
 from .route import Path, route, route_owned
 
 # torch.compile and torch.export trace through this name too (Dynamo knows the function, not the
@@ -90,21 +90,8 @@ class RustBlock(nn.Module):
         self._device = device
         self._config: Optional[BlockConfig] = None  # what the weights alone do not tell, and LANGUAGE
         self._weights: Optional[Tuple[Tensor, ...]] = None  # the tensors it computes with now
-        # Following a module (from_torch, the swap): the module, and the last reading of it.
-        self.__dict__["_source"] = None  # not registered: its submodules are (see _adopt)
-        self._reading: Optional[Reading] = None
-        self._source_kids: Dict[str, Any] = {}
-        self._paths: Tuple[str, ...] = ()  # the weights as attribute paths (traced calls)
-        self._guards: List[tuple] = []  # what a traced call compares (torch.compile guards on it)
-        self._trust: Optional[str] = None  # from_torch(trust=...): see there
-        self._probe_pending = False  # unknown classes not yet probed in the current state, or new code
-        # What the forward's code read (Watch.code: label -> value) when the probe last agreed, and
-        # what differs from it in the last reading: the PyTorch block is the oracle for its code.
-        self._code_ok: Optional[Dict[str, Any]] = None
-        self._code_changes: List[str] = []
-        self._ran: Optional[Ran] = None  # what the last probe that agreed ran: watched (twin/record.py)
-        self._lora_layers: Tuple[str, ...] = ()  # peft LoRA layers in the last reading: never traced
-        self._casting = False  # diffusers' layerwise casting in the last reading (twin/casting.py): never traced
+        # Following a module (from_torch, the swap): its source, reading, watch and probe (_adopt).
+        self._follow: Optional[Follow] = None
         self._entry: Any = None  # the hot path's entry into Rust (_rebind)
         self._rebind()
 
@@ -112,6 +99,18 @@ class RustBlock(nn.Module):
     def _block(self) -> Any:
         """The Rust block it computes with (``_rust.Block``)."""
         return self._twin.inner
+
+    @property
+    def _source(self) -> Optional[nn.Module]:
+        """The PyTorch block it follows (not registered: its submodules are), or None."""
+        follow = self._follow
+        return None if follow is None else follow.source
+
+    @property
+    def _reading(self) -> Optional[Reading]:
+        """The last reading of the block it follows (None: read again at the next call)."""
+        follow = self._follow
+        return None if follow is None else follow.reading
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -141,18 +140,13 @@ class RustBlock(nn.Module):
                 f"{cls.__name__}.from_torch cannot reproduce this block exactly: {'; '.join(reading.reasons)}"
             )
         rb = cls(ADOPT)
-        rb._trust = trust
-        rb._adopt(block)
+        rb._adopt(block, trust=trust)
         return rb
 
-    def _adopt(self, block: nn.Module, error: type = UnsupportedBlockError) -> None:
+    def _adopt(self, block: nn.Module, error: type = UnsupportedBlockError, trust: Optional[str] = None) -> None:
         """Registers ``block``'s six submodules here, follows ``block``, builds the Rust block."""
-        for name in [n for n in block._modules if n in CHILDREN] + [n for n in CHILDREN if n not in block._modules]:
-            self._modules[name] = block._modules.get(name)  # in the block's order: same state_dict
-        self.__dict__["_source"] = block
-        self._source_kids = {name: block._modules.get(name) for name in CHILDREN}
-        letgo.follow(self)  # block.double() with swapped parameters: lets go first (twin/letgo.py)
-        self._ensure_current(error)
+        self._follow = Follow(self, block, trust)
+        self._follow.adopt(error)
 
     @classmethod
     def from_state_dict(
@@ -181,7 +175,7 @@ class RustBlock(nn.Module):
         rb._rebind()
         return rb
 
-    # -- following the module -----------------------------------------------------------------
+    # -- the Rust block and the module it follows ------------------------------------------------
 
     def _rebind(self) -> None:
         """The hot path's entry (``plusequals._rust.Entry``): the current Rust block bound to the
@@ -189,144 +183,60 @@ class RustBlock(nn.Module):
         Python would (plain tensors, no mode or saved-tensor hook that would see the ops) and then
         everything the full path checks. None (every call takes the full path, :meth:`_call`) while
         the module must be read again first: never read (a copy), or refused. Called wherever the
-        Rust block or the reading changes: the block's construction, :meth:`_reread`, the rebuild in
-        :meth:`_ensure_current`, and unpickling."""
-        inner, reading, config = self._twin.inner, self._reading, self._config
+        Rust block or the reading changes: the block's construction, :meth:`_ensure_current`, and
+        unpickling."""
+        inner, follow, config = self._twin.inner, self._follow, self._config
         cold = config is not None and not all(a.hot(config) for a in ADAPTERS)  # an adapter's inputs: Python's
-        if not isinstance(inner, _rust.Block) or (self._source is not None and reading is None) or cold:
+        if not isinstance(inner, _rust.Block) or (follow is not None and follow.reading is None) or cold:
             self._entry = None
         else:
-            self._entry = _rust.Entry(inner, None if reading is None else reading.watch.rust)
+            self._entry = _rust.Entry(inner, None if follow is None else follow.watch())
 
     def _where(self) -> str:
         return type(self).__name__
 
-    def _reread(self, error: type = UnsupportedBlockError, traced: bool = False) -> None:
-        """Reads the followed block again. A submodule replaced on the block is taken over
-        (one replaced here is kept); a reason to refuse raises ``error``. ``traced``: at trace
-        time (the parameters may be fake tensors), only what a traced call needs is kept."""
-        self._entry = None  # the hot path is off until _ensure_current has finished (_rebind)
-        source = self._source
-        for name in CHILDREN:
-            now = source._modules.get(name)
-            if now is not self._source_kids.get(name):
-                self._modules[name] = now
-        self._source_kids = {name: source._modules.get(name) for name in CHILDREN}
-        reading = read_block(
-            source, {name: self._modules.get(name) for name in CHILDREN}, owner=self, trust=self._trust
-        )
-        if reading.reasons:
-            self._reading = None
-            raise error(
-                f"{self._where()}: the Rust block cannot reproduce this block exactly: {'; '.join(reading.reasons)}. "
-                "It computes the SD v1 block (see plusequals.twin.faithful) and calls no submodule."
-            )
-        if reading.casting and not self.CASTS_LAYERWISE:
-            self._refuse(UnsupportedBlockError, _NO_CASTING)  # a ValueError too, as from_torch's
-        self._config = reading.spec._replace(language=self.LANGUAGE)
-        self._lora_layers, self._casting = reading.lora_layers, bool(reading.casting)
-        self._paths = reading.paths
-        self._guards = [(obj, name, value, not isinstance(value, _SCALARS)) for obj, name, value in reading.watch.attrs]
-        if traced:
-            self._reading = None  # the next eager call reads again, on the real parameters
-            return
-        self._reading = reading
-        self._weights = tuple(reading.weights())
-        reading.watch.add(self._ran)  # what the last checked run executed, from the values there now
-        self._code_changes = code_changes(self._code_ok, reading.watch.code)
-        self._probe_pending = bool(reading.unknown) or self._code_ok is None or bool(self._code_changes)
-
     def _ensure_current(self, error: type = UnsupportedBlockError) -> None:
-        """The eager check before each call (module docstring): a few microseconds when nothing changed."""
-        if self._source is not None:
-            reading = self._reading
-            if reading is None or not reading.watch.unchanged():
-                self._reread(error)
-        weights = self._weights
-        if weights is None:
+        """The eager check before each call: made from a module, :meth:`Follow.ensure_current` (read
+        again, rebuild, probe or refuse); from a state dict, a rebuild where its tensors moved."""
+        if self._weights is None and self._follow is None:
             return  # a raw Rust block (RustBlock(inner)): nothing to follow
-        if not self._twin.fresh(weights, self._config):
-            inner, self._device = validated_inner(dict(zip(self._config.keys, weights)), self._config)
-            self._twin.set(inner, weights, self._config)
-            self._probe_pending |= self._moved(weights[0])  # proven in one dtype and device: again there
-        if self._probe_pending:
-            self._run_probe(weights[0], error)
+        if self._follow is not None:
+            self._follow.ensure_current(error)
+        else:
+            self._rebuild()
         self._rebind()  # read, built and probed: the hot path may call it
 
-    def _moved(self, weight: Tensor) -> bool:
-        """Whether the block needs the probe after a rebuild: its classes are unknown, or the last
-        proven run (its ATen ops: twin/probe.py) was in another dtype or on another device."""
-        reading, ran = self._reading, self._ran
-        if reading is None:
+    def _rebuild(self) -> bool:
+        """Builds the Rust block again unless it stands on exactly its weights now (storage, dtype,
+        device: ``ops.Twin.fresh``); whether it did."""
+        weights = self._weights
+        if weights is None or self._twin.fresh(weights, self._config):
             return False
-        proven = ran.ops if ran is not None else None
-        return bool(reading.unknown) or proven is None or (proven.dtype, proven.device) != (weight.dtype, weight.device)
-
-    def _run_probe(self, weight: Tensor, error: type) -> None:
-        """Runs the PyTorch block and the Rust block on one probe input (:func:`probe`) where it
-        can: on the first reading, after the code the forward runs changed (a class patched, a
-        module global replaced: ``Watch.code``), and for classes this crate does not know. Where
-        the probe cannot run (meta), changed code is refused; the rest waits for a state
-        where it can."""
-        reading, changes = self._reading, self._code_changes
-        shown = f"{', '.join(changes[:4])}{f' and {len(changes) - 4} more' if len(changes) > 4 else ''}"
-        if not can_probe(weight):
-            if changes:
-                self._refuse(
-                    error,
-                    f"the code its forward runs changed since it was checked ({shown}), and no probe can check "
-                    f"it in {weight.dtype} on {weight.device}",
-                )
-            return
-        recorder = Recorder(reading.watch.functions, self._ran)  # what the PyTorch block runs: twin/record.py
-        reason = probe(self._source, self._probe_forward(), self._config, weight, recorder.call)
-        if reason:
-            if reading.unknown:
-                classes = ", ".join(reading.unknown)
-                self._refuse(error, f"the block's classes ({classes}) are not ones this crate knows, and {reason}")
-            elif changes:
-                self._refuse(error, f"the code its forward runs changed since it was checked ({shown}), and {reason}")
-            self._refuse(error, f"its forward's code (its classes and the globals they read): {reason}")
-        self._probe_pending = False
-        self._ran = recorder.ran or self._ran  # what it ran is watched from now on
-        reading.watch.add(recorder.ran)
-        self._code_ok = {n.label: n.value for n in reading.watch.code}
-        self._code_changes = []
+        inner, self._device = validated_inner(dict(zip(self._config.keys, weights)), self._config)
+        self._twin.set(inner, weights, self._config)
+        return True
 
     def _probe_forward(self) -> Any:
         """The Rust block's forward, for the probe (the swap casts around it: twin/casting.py)."""
         return self._twin.inner.forward
 
-    def _refuse(self, error: type, why: str) -> None:
-        self._reading = None
-        self._entry = None
-        raise error(f"{self._where()}: {why}")
-
     @_constant_result
     def _check_for_trace(self) -> int:
         """Under torch.compile, run once at trace time: the block is read again if it changed
         (refusals raise there). The weights themselves reach the custom op as arguments."""
-        reading = self._reading
-        if reading is None or not reading.watch.unchanged():
-            self._reread(traced=True)
+        if self._follow.stale():
+            self._follow.reread(traced=True)
         return 0
 
     def _traced_weights(self) -> List[Tensor]:
         """The weights for a custom-op call, read through the module (so a traced graph takes
         them as inputs), after the structure check."""
-        if self._source is not None:
+        follow = self._follow
+        if follow is not None:
             self._check_for_trace()
-            for obj, name, value, by_identity in self._guards:  # torch.compile guards on each
-                now = getattr(obj, name, None)
-                if (now is not value) if by_identity else (now != value):
-                    raise UnsupportedBlockError(f"{self._where()}: {type(obj).__name__}.{name} changed while traced")
-            why = next(
-                filter(None, (a.untraceable(self._config, self._casting, self._lora_layers) for a in ADAPTERS)), None
-            )
-            if why:
-                raise UnsupportedBlockError(f"{self._where()}: {why}")
+            follow.check_traced(self._config)
             # getattr, not get_parameter: functional_call puts plain tensors there (torch.func)
-            return [getattr(self.get_submodule(owner), name) for owner, _, name in map(_split, self._paths)]
+            return [getattr(self.get_submodule(owner), name) for owner, _, name in map(_split, follow.paths)]
         if self._weights is None:
             raise RuntimeError(
                 f"this {type(self).__name__} wraps a raw Rust block and has no weights to pass to the custom ops: "
@@ -354,20 +264,19 @@ class RustBlock(nn.Module):
         reading, which Rust compares first (``plusequals._rust.Watch``: one pass, no Python
         loop). ``StaleBlock`` (the module changed, or a weight's metadata did) runs the full check
         (:meth:`_ensure_current`: read again, rebuild, probe, or refuse) and calls once more."""
-        reading = self._reading
-        if reading is None and self._source is not None:
-            self._ensure_current()  # never read (a copy), or refused last time: the full check
-            reading = self._reading
-        if reading is not None:
-            kwargs["watch"] = reading.watch.rust
+        follow = self._follow
+        if follow is not None:
+            if follow.reading is None:
+                self._ensure_current()  # never read (a copy), or refused last time: the full check
+            kwargs["watch"] = follow.watch()
         try:
             return getattr(self._twin.inner, method)(*args, **kwargs)
         except _rust.StaleBlock:
             if self._weights is None:
                 raise
         self._ensure_current()
-        if self._reading is not None:
-            kwargs["watch"] = self._reading.watch.rust
+        if follow is not None:
+            kwargs["watch"] = follow.watch()
         return getattr(self._twin.inner, method)(*args, **kwargs)
 
     def forward(
@@ -392,7 +301,7 @@ class RustBlock(nn.Module):
         current = functools.partial(self._noted, x, context)
         to = route(x, context, masks, current=current, functorch=self._functorch_weights, adapters=ADAPTERS)
         if to.path is Path.DELEGATE:
-            return delegated(self, to.modes, x, context, masks)
+            return delegated(self._follow, self._where(), to.modes, x, context, masks)
         if to.path is Path.IMAGES:
             return forward_tuple(to.now, x, context, masks)
         if to.path is Path.FUNCTORCH:
@@ -443,7 +352,7 @@ class RustBlock(nn.Module):
             adapters=ADAPTERS,
         )
         if to.path is Path.DELEGATE:
-            return delegated(self, to.modes, x, context, masks, owned=True)
+            return delegated(self._follow, self._where(), to.modes, x, context, masks, owned=True)
         if to.path is Path.IMAGES:
             return forward_tuple(to.now, x, context, masks, donate=donate)
         if to.path is Path.FORWARD:  # an adapter's inputs are forward's: the same sums, grad off
@@ -466,10 +375,11 @@ class RustBlock(nn.Module):
     def _carried(self) -> Optional[Carried]:
         """What an adapter's call sees of this block (twin/adapter.py), read again first if it
         changed (:meth:`_ensure_current`); None when it follows no module."""
-        if self._source is None:
+        if self._follow is None:
             return None
         self._ensure_current()
-        return Carried(self._where(), self._config, self._reading, self._modules, self._functorch_weights(), self._call)
+        reading = self._follow.reading
+        return Carried(self._where(), self._config, reading, self._modules, self._functorch_weights(), self._call)
 
     def _noted(self, x: Tensor, context: Any) -> Optional[Carried]:
         """:meth:`_carried`, once the call's shapes are noted: a check this call runs probes an input of
@@ -480,7 +390,7 @@ class RustBlock(nn.Module):
     def _functorch_weights(self) -> bool:
         """Whether a torch.func transform is active and the weights are functorch-wrapped
         (``functional_call`` under ``grad``/``vmap``/``jvp``): they have no storage to build on."""
-        if self._source is None or torch._C._functorch.peek_interpreter_stack() is None:
+        if self._follow is None or torch._C._functorch.peek_interpreter_stack() is None:
             return False
         return any(map(torch._C._functorch.is_functorch_wrapped_tensor, self.parameters()))
 
@@ -545,7 +455,7 @@ class RustBlock(nn.Module):
     # and builds again on the next call (only where it follows a module: from_state_dict's tensors
     # are not this module's parameters); called on the block it follows: twin/letgo.py.
     def _apply(self, fn: Any, recurse: bool = True) -> "RustBlock":
-        if self._source is None and self._weights is not None:  # from_state_dict: no parameters to convert
+        if self._follow is None and self._weights is not None:  # from_state_dict: no parameters to convert
             raise TypeError(
                 f"{type(self).__name__}.from_state_dict computes with the tensors of its mapping, which are not "
                 "its parameters: .to(), .double() or .cuda() would convert nothing. Convert the tensors (in place, "
@@ -557,8 +467,8 @@ class RustBlock(nn.Module):
     def train(self, mode: bool = True) -> "RustBlock":
         """``nn.Module.train``, and the followed block's own flag too (its children are this one's)."""
         super().train(mode)
-        if self._source is not None:
-            self._source.train(mode)
+        if self._follow is not None:
+            self._follow.source.train(mode)
         return self
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
@@ -566,30 +476,28 @@ class RustBlock(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
 
     def _let_go_for_swap(self) -> None:
-        if self._source is not None and torch.__future__.get_swap_module_params_on_conversion():
-            self._let_go()
+        if self._follow is not None and torch.__future__.get_swap_module_params_on_conversion():
+            self._follow.let_go()
 
-    def _let_go(self) -> None:
-        """Drops the Rust block (and the reading): it reads the module and builds on the next call."""
-        self._entry = self._reading = self._weights = None
+    def _drop(self) -> None:
+        """Drops the Rust block: it builds again on the next call (:meth:`Follow.let_go`)."""
+        self._entry = self._weights = None
         self._twin.inner = self._twin.weights = self._twin.facts = self._twin.other = None
 
     # The Rust handle is neither picklable nor deep-copyable: a copy (copy.deepcopy, pickle) gets
     # a new, empty twin and builds its own on first use (on the copied parameters).
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state.update(_reading=None, _guards=[], _source_kids={}, _probe_pending=False, _entry=None)
-        state.update(_code_ok=None, _code_changes=[], _ran=None)
-        if state.get("_source") is not None:
+        state["_entry"] = None
+        if state.get("_follow") is not None:  # it reads its copy of the module on first use
             state["_weights"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self.__dict__["_slot"] = self._twin.id
-        if self._source is not None:
-            self._source_kids = {name: self._source._modules.get(name) for name in CHILDREN}
-            letgo.follow(self)
+        if self._follow is not None:
+            self._follow.resume()
         self._rebind()
 
 
@@ -604,13 +512,6 @@ class CppBlock(RustBlock):
     """
 
     LANGUAGE = "cpp"
-
-
-_SCALARS = (int, float, str, bool, tuple, type(None))
-_NO_CASTING = (
-    "diffusers' layerwise casting (enable_layerwise_casting) is on, and RustBlock.from_torch does not cast the "
-    "stored weights around each call; swap the block (swap_transformer_blocks, RustTransformerBlock), which does"
-)
 
 
 def _split(path: str) -> Tuple[str, str, str]:

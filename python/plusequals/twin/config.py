@@ -10,7 +10,7 @@ from typing import NamedTuple, Optional, Tuple
 
 from .. import _rust
 
-__all__ = ["BlockConfig", "rust_keys"]
+__all__ = ["OP_FIELDS", "BlockConfig", "rust_keys"]
 
 
 class BlockConfig(NamedTuple):
@@ -48,7 +48,12 @@ class BlockConfig(NamedTuple):
     def op_fields(self) -> tuple:
         """The fields the custom ops take, in their order (all but ``lora``, ``ip_adapter`` and
         ``custom_diffusion``)."""
-        return tuple(self)[:7]
+        return tuple(self)[: len(OP_FIELDS)]
+
+
+#: The fields the custom ops take (twin/ops.py), in their order: the adapters' terms are no
+#: custom-op argument (a block with them is refused where the custom ops would run).
+OP_FIELDS: Tuple[str, ...] = BlockConfig._fields[: BlockConfig._fields.index("lora")]
 
 
 @functools.lru_cache(maxsize=256)

@@ -23,10 +23,9 @@ from torch import Tensor
 
 from ..errors import UnsupportedBlockError
 from .dispatch import _user_function_modes, symbolic
+from .follow import Follow
 
 __all__ = ["delegated", "delegated_call", "under_function_mode"]
-
-_CHILDREN = ("norm1", "attn1", "norm2", "attn2", "norm3", "ff")
 
 
 def under_function_mode(x: Any, context: Any) -> List[str]:
@@ -38,32 +37,38 @@ def under_function_mode(x: Any, context: Any) -> List[str]:
     return [type(m).__qualname__ for m in modes]
 
 
-def _source(block: Any, modes: List[str]) -> Any:
-    """The PyTorch block whose forward is ``block``'s, or a refusal naming the modes."""
+def _source(follow: Optional[Follow], where: str, modes: List[str]) -> Any:
+    """The PyTorch block whose forward is the twin's (named ``where``), which ``follow`` follows,
+    or a refusal naming the modes."""
     why = f"a TorchFunctionMode is active ({', '.join(modes)}), which sees the PyTorch block's torch calls and may "
     why += "change them, while the twin's ops are one call it cannot change"
-    source = block._source
-    if source is None:
+    if follow is None:
         raise UnsupportedBlockError(
-            f"{block._where()}: {why}; this {type(block).__name__} has no PyTorch block to run in its place (built "
+            f"{where}: {why}; this {where} has no PyTorch block to run in its place (built "
             "from a state dict): call it outside the mode, or build it with from_torch"
         )
-    moved = [n for n in _CHILDREN if block._modules.get(n) is not source._modules.get(n)]
-    if moved:
+    replaced = follow.replaced()
+    if replaced:
         raise UnsupportedBlockError(
-            f"{block._where()}: {why}; its {', '.join(moved)} was replaced here and not on the PyTorch block it "
+            f"{where}: {why}; its {', '.join(replaced)} was replaced here and not on the PyTorch block it "
             "follows, whose forward would run another module: call it outside the mode"
         )
-    return source
+    return follow.source
 
 
 def delegated(
-    block: Any, modes: List[str], x: Tensor, context: Any, masks: Dict[str, Any], owned: Optional[bool] = None
+    follow: Optional[Follow],
+    where: str,
+    modes: List[str],
+    x: Tensor,
+    context: Any,
+    masks: Dict[str, Any],
+    owned: Optional[bool] = None,
 ) -> Tensor:
-    """``block``'s result from the PyTorch block it follows (:func:`_source`), called as the
+    """The twin's result from the PyTorch block it follows (:func:`_source`), called as the
     library calls it, under the active modes. ``owned``: from ``forward_owned`` (grad off, and
     the caller's ``x`` only read: the PyTorch forward is out of place)."""
-    source = _source(block, modes)
+    source = _source(follow, where, modes)
     masks = {k: v for k, v in masks.items() if v is not None}
     with torch.no_grad() if owned else contextlib.nullcontext():
         if type(source).__module__.startswith("diffusers."):
@@ -73,6 +78,8 @@ def delegated(
         return source(x, context, **masks)
 
 
-def delegated_call(block: Any, modes: List[str], args: tuple, kwargs: Dict[str, Any]) -> Tensor:
+def delegated_call(
+    follow: Optional[Follow], where: str, modes: List[str], args: tuple, kwargs: Dict[str, Any]
+) -> Tensor:
     """The swap's: the library's block called with the arguments its replacement was given."""
-    return _source(block, modes)(*args, **kwargs)
+    return _source(follow, where, modes)(*args, **kwargs)

@@ -27,20 +27,21 @@ computes the same function wherever it runs.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import itertools
 import operator
+import typing
 import weakref
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .build import build
-from .config import BlockConfig
+from .config import OP_FIELDS, BlockConfig
 
 __all__ = ["Twin", "block_backward", "block_forward", "block_forward_owned_"]
-
-Config = BlockConfig
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,15 +79,15 @@ class Twin:
         self.inner = inner
         self.weights: Optional[Tuple[Tensor, ...]] = None
         self.facts: Optional[tuple] = None
-        self.config: Optional[Config] = None
+        self.config: Optional[BlockConfig] = None
         self.other: Optional["Twin"] = None
         _TWINS[self.id] = self
 
-    def set(self, inner: Any, weights: Sequence[Tensor], config: Config) -> None:
+    def set(self, inner: Any, weights: Sequence[Tensor], config: BlockConfig) -> None:
         weights = weights if isinstance(weights, tuple) else tuple(weights)
         self.inner, self.weights, self.facts, self.config = inner, weights, _facts(weights), config
 
-    def fresh(self, weights: Sequence[Tensor], config: Config) -> bool:
+    def fresh(self, weights: Sequence[Tensor], config: BlockConfig) -> bool:
         """Whether ``inner`` computes with exactly ``weights`` under ``config``: the tensors it was
         built on are unchanged (no ``.data =``, ``.half()``, ``.to()`` since) and ``weights`` are
         those tensors, or other handles on the same memory with the same dtype and device."""
@@ -98,7 +99,7 @@ class Twin:
             return False
         return weights is ws or all(map(operator.is_, ws, weights)) or _facts(weights) == facts
 
-    def for_op(self, weights: Sequence[Tensor], config: Config) -> Any:
+    def for_op(self, weights: Sequence[Tensor], config: BlockConfig) -> Any:
         """The block a custom-op call on ``weights`` computes with: ``inner`` if it stands on them,
         else the one kept in ``other``, rebuilt when it does not."""
         if self.fresh(weights, config):
@@ -117,7 +118,7 @@ class Twin:
         return (Twin, ())
 
 
-def _inner_for(weights: Sequence[Tensor], config: Config, slot: int) -> Any:
+def _inner_for(weights: Sequence[Tensor], config: BlockConfig, slot: int) -> Any:
     twin = _TWINS.get(slot)
     return build(weights, config) if twin is None else twin.for_op(weights, config)
 
@@ -160,27 +161,53 @@ def out_dtype(x_dtype: torch.dtype, autocast: Optional[torch.dtype]) -> torch.dt
 
 
 # --------------------------------------------------------------------------------------------
+# The configuration, flat: a custom op's schema takes no tuple
+# --------------------------------------------------------------------------------------------
+
+
+def _unflatten(args: Sequence[Any], at: int) -> tuple:
+    """``args`` of a custom op, which take :data:`OP_FIELDS` flat from position ``at``, with
+    those fields as one :class:`BlockConfig`: the one place the ops' configuration is built."""
+    n = len(OP_FIELDS)
+    return (*args[:at], BlockConfig(*args[at : at + n]), *args[at + n :])
+
+
+def _config_flat(impl: Callable[..., Any]) -> Callable[..., Any]:
+    """``impl``, which takes a :class:`BlockConfig` as ``config``, as a custom op's function (or its
+    fake): the same parameters with ``config`` replaced by :data:`OP_FIELDS`, typed as in
+    ``BlockConfig`` (``torch.library`` reads the op's schema from this signature)."""
+    sig = inspect.signature(impl)
+    params = list(sig.parameters.values())
+    at = list(sig.parameters).index("config")
+    hints = typing.get_type_hints(BlockConfig)
+    fields = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=hints[n]) for n in OP_FIELDS]
+    flat_sig = sig.replace(parameters=params[:at] + fields + params[at + 1 :])
+
+    @functools.wraps(impl)
+    def flat(*args: Any, **kwargs: Any) -> Any:
+        return impl(*_unflatten(tuple(flat_sig.bind(*args, **kwargs).arguments.values()), at))
+
+    flat.__signature__ = flat_sig  # type: ignore[attr-defined]
+    return flat
+
+
+# --------------------------------------------------------------------------------------------
 # plusequals::block_forward
 # --------------------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("plusequals::block_forward", mutates_args=())
+@_config_flat
 def block_forward(
     x: Tensor,
     context: Optional[Tensor],
     weights: List[Tensor],
-    dim: int,
-    n_heads: int,
-    d_head: int,
-    context_dim: Optional[int],
-    gated_ff: bool,
-    attention: str,
-    language: str,
+    config: BlockConfig,
     slot: int,
     autocast: Optional[torch.dtype],
 ) -> Tensor:
     """``RustBlock.forward``: ``x = op(norm(x)) + x`` three times, in Rust (or C++)."""
-    inner = _inner_for(weights, BlockConfig(dim, n_heads, d_head, context_dim, gated_ff, attention, language), slot)
+    inner = _inner_for(weights, config, slot)
     with torch.no_grad(), _autocast(x.device.type, autocast):
         y = inner.forward(x, context)
     return y.contiguous()
@@ -190,13 +217,13 @@ def check_inputs(
     x: Tensor,
     context: Optional[Tensor],
     weights: Sequence[Tensor],
-    dim: int,
-    context_dim: Optional[int],
+    config: BlockConfig,
     autocast: Optional[torch.dtype],
 ) -> None:
     """What the Rust block checks first (rust/block.rs, check_inputs), for the fake
     implementations: a traced call is refused where the real one would be, with the same words."""
-    width = dim if context_dim is None else context_dim
+    dim = config.dim
+    width = dim if config.context_dim is None else config.context_dim
     kind = weights[0].dtype if weights else None
     for name, t, w in (("x", x, dim), ("context", context, width)):
         if t is None:
@@ -215,17 +242,16 @@ def check_inputs(
 
 
 @block_forward.register_fake
-def _block_forward_fake(
-    x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language, slot, autocast
-):
-    check_inputs(x, context, weights, dim, context_dim, autocast)
+@_config_flat
+def _block_forward_fake(x, context, weights, config, slot, autocast):
+    check_inputs(x, context, weights, config, autocast)
     return x.new_empty(x.shape, dtype=out_dtype(x.dtype, autocast))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language, slot, autocast = inputs
+    x, context, weights, config, slot, autocast = _unflatten(inputs, 3)
     ctx.save_for_backward(x, context, *weights)
-    ctx.config = BlockConfig(dim, n_heads, d_head, context_dim, gated_ff, attention, language)
+    ctx.config = config
     ctx.autocast = autocast
     ctx.needs = (x.requires_grad, context is not None and context.requires_grad, [w.requires_grad for w in weights])
 
@@ -251,18 +277,13 @@ block_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 @torch.library.custom_op("plusequals::block_backward", mutates_args=())
+@_config_flat
 def block_backward(
     grad: Tensor,
     x: Tensor,
     context: Optional[Tensor],
     weights: List[Tensor],
-    dim: int,
-    n_heads: int,
-    d_head: int,
-    context_dim: Optional[int],
-    gated_ff: bool,
-    attention: str,
-    language: str,
+    config: BlockConfig,
     autocast: Optional[torch.dtype],
     need_x: bool,
     need_context: bool,
@@ -271,7 +292,6 @@ def block_backward(
     """The gradients of ``block_forward`` for x, context and each weight (an empty tensor where
     not asked for): the Rust forward again, on detached leaves, differentiated by libtorch.
     x's gradient has ``grad``'s memory layout (:func:`_grad_x_like`), the others are contiguous."""
-    config = BlockConfig(dim, n_heads, d_head, context_dim, gated_ff, attention, language)
     needs = [need_x, need_context and context is not None, *need_weights]
     with _autograd_on():
         xl = x.detach().requires_grad_(need_x)
@@ -311,23 +331,8 @@ def _grad_x_like(grad: Tensor, dtype: torch.dtype, g: Optional[Tensor]) -> Tenso
 
 
 @block_backward.register_fake
-def _block_backward_fake(
-    grad,
-    x,
-    context,
-    weights,
-    dim,
-    n_heads,
-    d_head,
-    context_dim,
-    gated_ff,
-    attention,
-    language,
-    autocast,
-    need_x,
-    need_context,
-    need_weights,
-):
+@_config_flat
+def _block_backward_fake(grad, x, context, weights, config, autocast, need_x, need_context, need_weights):
     needs = [need_x, need_context and context is not None, *need_weights]
     out = [t.new_empty(t.shape) if n else x.new_empty(0) for t, n in zip([x, context, *weights], needs)]
     if need_x:
@@ -341,32 +346,26 @@ def _block_backward_fake(
 
 
 @torch.library.custom_op("plusequals::block_forward_owned_", mutates_args=("x",))
+@_config_flat
 def block_forward_owned_(
     x: Tensor,
     context: Optional[Tensor],
     weights: List[Tensor],
-    dim: int,
-    n_heads: int,
-    d_head: int,
-    context_dim: Optional[int],
-    gated_ff: bool,
-    attention: str,
-    language: str,
+    config: BlockConfig,
     slot: int,
     autocast: Optional[torch.dtype],
 ) -> None:
     """``RustBlock.forward_owned``: ``x += op(norm(x))`` three times, the result left in ``x``.
     (Rust's ownership check sees the handles a dispatcher call keeps on ``x``, so Rust works on
     its own copy, and the result is copied back.)"""
-    inner = _inner_for(weights, BlockConfig(dim, n_heads, d_head, context_dim, gated_ff, attention, language), slot)
+    inner = _inner_for(weights, config, slot)
     with torch.no_grad(), _autocast(x.device.type, autocast):
         y = inner.forward_owned(x, context, donate=False)
         x.copy_(y)
 
 
 @block_forward_owned_.register_fake
-def _block_forward_owned_fake(
-    x, context, weights, dim, n_heads, d_head, context_dim, gated_ff, attention, language, slot, autocast
-):
-    check_inputs(x, context, weights, dim, context_dim, autocast)
+@_config_flat
+def _block_forward_owned_fake(x, context, weights, config, slot, autocast):
+    check_inputs(x, context, weights, config, autocast)
     return None

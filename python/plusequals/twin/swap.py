@@ -49,6 +49,7 @@ __all__ = [
     "UnsupportedBlockError",
     "sd_v1_unet_config",
     "swap_transformer_blocks",
+    "tiny_unet_config",
     "unswap_transformer_blocks",
 ]
 
@@ -104,7 +105,7 @@ class RustTransformerBlock(RustBlock):
     calls :meth:`RustBlock.forward` (differentiable; gradients reach the shared parameters) or,
     with ``owned=True`` and grad mode off, :meth:`RustBlock.forward_owned` (one copy, then the
     three residuals added in place). It follows its parameters and submodules exactly as a
-    ``RustBlock`` made with ``from_torch`` does (one mechanism: ``RustBlock._ensure_current``).
+    ``RustBlock`` made with ``from_torch`` does (one mechanism: twin/follow.py).
 
     Build it with :func:`swap_transformer_blocks`, which checks the block first. diffusers'
     layerwise casting runs around each call (twin/casting.py).
@@ -154,7 +155,7 @@ class RustTransformerBlock(RustBlock):
             kw = dict(attention_mask=attention_mask, encoder_hidden_states=encoder_hidden_states, timestep=timestep)
             kw.update(encoder_attention_mask=encoder_attention_mask, cross_attention_kwargs=cross_attention_kwargs)
             kw.update(class_labels=class_labels, added_cond_kwargs=added_cond_kwargs, **kwargs)
-            return delegated_call(self, modes, (hidden_states,), kw)
+            return delegated_call(self._follow, self._where(), modes, (hidden_states,), kw)
         masks = {"attention_mask": attention_mask, "encoder_attention_mask": encoder_attention_mask}
         pair = isinstance(encoder_hidden_states, (tuple, list)) and len(encoder_hidden_states) > 0
         context = encoder_hidden_states[0] if pair else encoder_hidden_states
@@ -178,7 +179,7 @@ class RustTransformerBlock(RustBlock):
         if reading is None or not reading.watch.unchanged():
             if call:
                 note_call(*call)
-            self._reread(error)
+            self._follow.reread(error)
             if not self._reading.casting:
                 RustBlock._ensure_current(self, error)  # nothing to cast: built now, on the new reading
         return self._reading.casting
@@ -190,7 +191,7 @@ class RustTransformerBlock(RustBlock):
             with casting.window(cast):
                 why = casting.mixed_dtypes(self._reading.paths, self._reading.weights())
                 if why:
-                    self._refuse(UnsupportedBlockError, why)
+                    self._follow.refuse(UnsupportedBlockError, why)
                 yield
         finally:
             self._casting_now = False
@@ -451,3 +452,21 @@ def sd_v1_unet_config() -> Dict[str, Any]:
         "use_linear_projection": False,
         "upcast_attention": False,
     }
+
+
+def tiny_unet_config() -> Dict[str, Any]:
+    """SD v1's UNet shrunk (:func:`sd_v1_unet_config`), the one small UNet of the cases, the sweep, the
+    report's --quick step and the tests: 2 levels (one with cross-attention), 1 resnet each, 8 heads,
+    GroupNorm(32), 4 blocks."""
+    return dict(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        norm_num_groups=32,
+    )
