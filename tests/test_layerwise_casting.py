@@ -77,7 +77,9 @@ def threads(request):
     """libtorch's intra-op threads for the test, restored after. With one, a 1x1 conv's backward
     below batch 16 is THNN's, which reads the weight autograd saved, stored in fp8 again by the
     casting's post-forward: diffusers' own backward fails there ("expected scalar type Float but
-    found Float8_e4m3fn"); with two it is oneDNN's, and runs."""
+    found Float8_e4m3fn"); with two it is oneDNN's where the CPU's oneDNN takes that dtype, and
+    runs, else THNN's again (seen on a machine whose oneDNN does not: fp16 and fp32 failed there
+    with two threads too). So the tests follow the library's outcome, not the thread count."""
     with intra_op_threads(request.param):
         yield request.param
 
@@ -90,11 +92,11 @@ def outcome(unet, dtype):
         return (type(e).__name__, str(e).splitlines()[0])
 
 
-def assert_as_the_library(got, expected, threads):
+def assert_as_the_library(got, expected):
     """The swapped UNet's step ends as the library's: the same error, or bitwise the same outputs
-    and gradients; the library fails only where THNN's conv backward runs (one thread)."""
+    and gradients."""
     if isinstance(expected, tuple):
-        assert got == expected and threads == 1, (got, expected)
+        assert got == expected, (got, expected)
     else:
         assert not isinstance(got, tuple) and same(got, expected), got if isinstance(got, tuple) else "differs"
 
@@ -114,12 +116,12 @@ def test_layerwise_casting_is_bitwise_the_library_forward_and_backward(tiny_unet
     blocks = [m for m in unet.modules() if isinstance(m, RustTransformerBlock)]
     out = step(unet, compute, grad=False)
     assert same(out, step(reference, compute, grad=False))
-    got = outcome(unet, compute)
-    assert_as_the_library(got, outcome(reference, compute), threads)
+    got, expected = outcome(unet, compute), outcome(reference, compute)
+    assert_as_the_library(got, expected)
     assert all(b._reading.casting for b in blocks)  # run in Rust, under the hooks
     stored = {p.dtype for b in blocks for n, p in b.named_parameters() if "norm" not in n and "lora_" not in n}
     assert stored == {FP8}, "the weights are stored in fp8 again after the call"
-    if lora and threads == 2:
+    if lora and not isinstance(expected, tuple):  # the step ran: LoRA's weights got gradients
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in unet.named_parameters() if "lora_" in n)
     uncast = step(unets(tiny_unet, compute, lora)[1], compute, grad=False)[0]
     assert rel_err(out[0].float(), uncast.float()) > 1e-3, "fp8 storage should change the output"
@@ -160,7 +162,7 @@ def test_layerwise_casting_fp16_compute_forward_and_backward_as_the_library(tiny
     for u in (unet, reference):
         u.enable_layerwise_casting(storage_dtype=torch.float8_e5m2, compute_dtype=torch.float16)
     assert same(step(unet, torch.float16, grad=False), step(reference, torch.float16, grad=False))
-    assert_as_the_library(outcome(unet, torch.float16), outcome(reference, torch.float16), threads)
+    assert_as_the_library(outcome(unet, torch.float16), outcome(reference, torch.float16))
 
 
 def cast_block(**lora):
