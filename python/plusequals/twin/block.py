@@ -25,7 +25,7 @@ from .build import check_dims, validated_inner
 from .config import BlockConfig
 from .delegate import delegated
 from .dispatch import autocast_dtype, converts_results, why_not_donatable
-from .faithful import ADAPTERS, Reading, read_block
+from .faithful import ADAPTERS, Reading, require_module
 from .follow import Follow
 from .hooks import run_under_saved_tensor_hooks
 from .ip_adapter import forward_tuple
@@ -132,15 +132,9 @@ class RustBlock(nn.Module):
         reads, a class attribute, a global) is not followed; and on the meta device the probe
         cannot run (it runs in the block's dtype, on its device), so the block runs as last probed
         (or, built there, unprobed until it moves to a device where the probe can run)."""
-        if isinstance(block, RustBlock):
-            raise TypeError(f"block is a {type(block).__name__} already: pass the PyTorch block it was made from")
-        reading = read_block(block, trust=trust)
-        if reading.reasons:
-            raise UnsupportedBlockError(
-                f"{cls.__name__}.from_torch cannot reproduce this block exactly: {'; '.join(reading.reasons)}"
-            )
+        require_module(block)
         rb = cls(ADOPT)
-        rb._adopt(block, trust=trust)
+        rb._adopt(block, trust=trust)  # a block it cannot reproduce is refused before it is followed
         return rb
 
     def _adopt(self, block: nn.Module, error: type = UnsupportedBlockError, trust: Optional[str] = None) -> None:

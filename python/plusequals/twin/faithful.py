@@ -349,6 +349,14 @@ def _not_a_block(block: Any, why: str) -> TypeError:
     )
 
 
+def require_module(block: Any) -> None:
+    """Raises ``TypeError`` naming ``block`` where it cannot be a PyTorch transformer block at all."""
+    if getattr(type(block), "LANGUAGE", None) in ("rust", "cpp"):  # a RustBlock, CppBlock or the swap's
+        raise TypeError(f"block is a {type(block).__name__} already: pass the PyTorch block it was made from")
+    if not isinstance(block, nn.Module):
+        raise _not_a_block(block, "not a torch.nn.Module")
+
+
 def read_block(
     block: Any, kids: Optional[Dict[str, Any]] = None, *, owner: Optional[nn.Module] = None, trust: Optional[str] = None
 ) -> Reading:
@@ -361,10 +369,7 @@ def read_block(
     Raises ``TypeError`` naming ``block`` when it is not a transformer block at all; every other
     problem is a reason in the returned :class:`Reading`.
     """
-    if getattr(type(block), "LANGUAGE", None) in ("rust", "cpp"):  # a RustBlock, CppBlock or the swap's
-        raise TypeError(f"block is a {type(block).__name__} already: pass the PyTorch block it was made from")
-    if not isinstance(block, nn.Module):
-        raise _not_a_block(block, "not a torch.nn.Module")
+    require_module(block)
     if kids is None:
         kids = {name: block._modules.get(name, getattr(block, name, None)) for name in CHILDREN}
     if trust not in TRUST:

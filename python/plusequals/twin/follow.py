@@ -81,12 +81,14 @@ class Follow:
     # -- taking over the source -------------------------------------------------------------------
 
     def adopt(self, error: type = UnsupportedBlockError) -> None:
-        """Registers the source's six submodules on the twin, follows the source, builds the Rust block."""
+        """Registers the source's six submodules on the twin, reads the source once (a refusal
+        raises here, with the source untouched), follows it, builds the Rust block."""
         source, modules = self.source, self.owner._modules
         for name in [n for n in source._modules if n in CHILDREN] + [n for n in CHILDREN if n not in source._modules]:
             modules[name] = source._modules.get(name)  # in the block's order: same state_dict
+        self.reread(error)
         self.resume()
-        self.owner._ensure_current(error)
+        self.owner._ensure_current(error)  # the reading above is current: builds and probes
 
     def resume(self) -> None:
         """Follows the source as it is now (after the adoption, or in a copy): its submodules, and
