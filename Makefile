@@ -28,13 +28,13 @@ export CCACHE_DIR ?= $(CACHE)/ccache
 export TORCHINDUCTOR_CACHE_DIR ?= $(CACHE)/inductor
 REPORT_ARGS ?=
 # The builds that write the extension's release artifact (maturin develop, maturin build, and
-# `pip install <repo>` in scripts/test_install.sh) take turns: cargo locks the target dir while it
+# the source install in scripts/test_install.sh) take turns: cargo locks the target dir while it
 # compiles, but each copies target/release's library after cargo has let go, and they differ in
 # features (build-dev's failpoints), so one must not compile between another's build and copy.
 export BUILD_LOCK := $(CACHE)/build.lock
 # pyo3's build configuration, from a file (rust/pyo3-abi3.txt: the abi3 build for CPython >= 3.11)
 # rather than from an interpreter: pyo3 rebuilds, and this crate with it, whenever the interpreter's
-# path changes, and the install check's `pip install <repo>` builds for its own venv's. From the
+# path changes, and the install check's source install builds for its own venv's. From the
 # file, make's builds and that one are the same build. Copied into CACHE (an absolute path, the same
 # in every clone) only when it differs, since pyo3 reruns when the file's time changes.
 export PYO3_CONFIG_FILE := $(CACHE)/pyo3-abi3.txt
@@ -93,7 +93,7 @@ test-rust: venv
 # make test: the release build first, then two job slots. pytest (on every core: pytest-xdist, each
 # worker holding libtorch to its share of the cores, tests/conftest.py) starts as soon as the
 # release build is in; the other slot runs cargo test, lint, then the install checks (the wheel and
-# `pip install <repo>`, each into a fresh venv: mostly pip unpacking torch and Python starting up),
+# the source install, each into a fresh venv: mostly Python starting up),
 # which fill what pytest leaves. The other builds wait for the release build: on a machine whose
 # ccache is empty, two builds started together would each compile torch-sys's C++ (minutes each);
 # one after the other, the second takes the objects from ccache. Warm, the release build takes seconds.
@@ -126,7 +126,7 @@ wheel: venv
 	@ls dist/plusequals-*.whl
 
 # The package as a user installs it, into a fresh venv with torch 2.11.0 (scripts/test_install.sh):
-# the wheel with no Rust toolchain on PATH, then `pip install <repo>` from source
+# the wheel with no Rust toolchain on PATH, then the repo from source (uv; pip with COLD=1)
 test-install: wheel
 	@scripts/test_install.sh
 

@@ -3,12 +3,18 @@
 # torch==2.11.0, each followed by scripts/install_check.py (the installed package and its libtorch,
 # the audit on a user's script, RustBlock parity), run from a directory outside the repo:
 #   1. the wheel in dist/ (`make wheel`): `pip install dist/*.whl`, with no Rust toolchain on PATH;
-#   2. `pip install <this repo>` from source, in pip's isolated build environment. Cargo builds in
-#      this repo's target/ (CARGO_TARGET_DIR when set), so after `make build-dev` it reuses that
-#      release build: same features, same profile, same CXX (the Makefile's ccache). torch-sys's
-#      build script then does not run again (tests/test_install_config.py holds what it needs).
-#      COLD=1 builds in WORKDIR/target instead, from nothing, as on a user's machine: torch-sys
-#      finds the build environment's torch (about 20 min on 2 cores).
+#   2. the repo installed from source, in an isolated build environment (PEP 517) that holds only
+#      build-system.requires. Cargo builds in this repo's target/ (CARGO_TARGET_DIR when set), so
+#      after `make build-dev` it reuses that release build: same features, same profile, same CXX
+#      (the Makefile's ccache). torch-sys's build script then does not run again
+#      (tests/test_install_config.py holds what it needs). The installer is uv (`uv pip install`,
+#      a build of the repo forced each time): its build environment's torch comes from its cache in
+#      a second, where pip unpacks torch and its CUDA wheels into a new one each time (a minute, the
+#      check's longest step). COLD=1 builds with pip, as the README's user does, in WORKDIR/target,
+#      from nothing: torch-sys finds the build environment's torch (about 20 min on 2 cores).
+#      The check after it leaves out the two checks that start Python again (`audit run`, the
+#      quick start) when the installed extension is the wheel's to the byte, as cargo's reuse makes
+#      it; it runs them all when not (install_check.py --same-as).
 # Each step prints one line with its seconds (scripts/step.sh); the whole output goes to
 # WORKDIR/install.log. Usage: scripts/test_install.sh [WORKDIR]   (default target/install-check;
 # PYTHON makes the venv)
@@ -38,9 +44,10 @@ no_rust=$(tr ':' '\n' <<<"$PATH" | while read -r d; do
   [ -n "$d" ] && [ ! -e "$d/cargo" ] && [ ! -e "$d/rustc" ] && echo "$d"
 done | paste -sd:)
 check() {
-  local start=$SECONDS
-  (cd "$work/run" && PATH=$1 python "$repo/scripts/install_check.py") | sed 's/^/    /'
-  echo "install: scripts/install_check.py ... ok ($((SECONDS - start)) s)"
+  local start=$SECONDS path=$1
+  shift
+  (cd "$work/run" && PATH=$path python "$repo/scripts/install_check.py" "$@") | sed 's/^/    /'
+  echo "install: scripts/install_check.py${*:+ $*} ... ok ($((SECONDS - start)) s)"
 }
 
 # The fresh venv: uv (the Makefile's .venv has it) keeps the torch wheels it downloads in its cache
@@ -72,6 +79,11 @@ target=${CARGO_TARGET_DIR:-$repo/target}
 # BUILD_LOCK (the Makefile's): this build and make's own release builds take turns in the shared target.
 locked=()
 [ -n "${BUILD_LOCK:-}" ] && [ "$target" != "$work/target" ] && locked=(flock "$BUILD_LOCK")
-step "install: pip install <repo>[diffusers] (from source, isolated build, cargo in $target)" "$log" \
-  env CARGO_TARGET_DIR="$target" "${locked[@]}" pip install "$repo[diffusers]"
-check "$PATH"
+if [ "${COLD:-0}" != 1 ] && command -v uv >/dev/null; then
+  source_pip=(uv pip install --reinstall-package plusequals)
+else
+  source_pip=(pip install)
+fi
+step "install: ${source_pip[*]} <repo>[diffusers] (from source, isolated build, cargo in $target)" "$log" \
+  env CARGO_TARGET_DIR="$target" "${locked[@]}" "${source_pip[@]}" "$repo[diffusers]"
+check "$PATH" --same-as "${wheels[0]}"
