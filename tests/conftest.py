@@ -8,13 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (below)
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))  # conftest and support, for the test modules
-# torch._dynamo is imported once for the session (import plusequals does not import it): pytester's
-# in-process runs drop the modules first imported inside them, and torch._inductor's test library,
-# which Dynamo imports, cannot be defined a second time in one process.
 
 from plusequals import BasicTransformerBlock, RustBlock  # noqa: E402
 from plusequals.model.blocks import randomize_  # noqa: E402,F401  (tests import it from here)
@@ -60,7 +56,15 @@ def pytest_configure(config):
     sharing a core wait at every op's barrier); a test that changes the count puts it back.
     The children a test starts inherit the share through OMP_NUM_THREADS. The controller starts
     the quick report at once, beside the workers (it is the suite's longest chain: the report,
-    then the tests that read it); quick_report_run waits for it."""
+    then the tests that read it); quick_report_run waits for it.
+
+    torch._dynamo is imported here, once for the session (import plusequals does not import it):
+    pytester's in-process runs drop the modules first imported inside them, and torch._inductor's
+    test library, which Dynamo imports, cannot be defined a second time in one process. Here and
+    not at the top: the child processes that import this module as a library (test_boundary.py's
+    fuzzers and leak check) need no Dynamo."""
+    import torch._dynamo  # noqa: F401
+
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         share = max(1, (os.cpu_count() or 1) // workers)

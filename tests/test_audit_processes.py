@@ -139,13 +139,13 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("how", ["spawn", "fork"])
 def test_hogwild_trainers_are_audited_and_reported_by_the_parent(tmp_path, how):
     """Two trainers, three steps each: six model calls, each audited in its trainer; the write
-    into the batch (E0596) is reported once, seen six times, with the processes named."""
+    into the batch (E0596) is reported once, seen six times, with the processes named. The
+    program prints what it prints unaudited: the ranks that finished (no plain run: it would
+    start three more interpreters to print the same line)."""
     (tmp_path / "hogwild.py").write_text(HOGWILD)
-    plain = _run(tmp_path, "hogwild.py", how, "2", "3")
     audited = _run(tmp_path, "-m", "plusequals", "audit", "run", "hogwild.py", how, "2", "3")
-    assert plain.returncode == 0, plain.stderr
     assert audited.returncode == 1, audited.stderr  # the findings, from the trainers
-    assert audited.stdout == plain.stdout == "[0, 1]\n"
+    assert audited.stdout == "[0, 1]\n"
     err = audited.stderr
     assert err.startswith("error[E0596]: ")
     assert "  --> hogwild.py:10:9\n" in err and "   = note: the same write, seen 6 times\n" in err

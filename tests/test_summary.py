@@ -2,6 +2,8 @@
 at 80 columns with every verdict and target whole; `summary DIR` prints it again; and every
 count in it is recomputed here from the paired ratios."""
 
+import copy
+import functools
 import json
 import os
 import re
@@ -152,11 +154,17 @@ def test_summary_prints_a_finished_report_again_and_refuses_an_unfinished_one(qu
     )
 
 
-def _committed():
+@functools.cache
+def _committed_once() -> dict:
     from pathlib import Path
 
     directory = Path(__file__).resolve().parents[1] / "docs" / "report-cpu"
     return summary.build(json.loads((directory / "results.json").read_text()), directory)
+
+
+def _committed() -> dict:
+    """The committed report's summary, built once per process; each caller gets its own copy."""
+    return copy.deepcopy(_committed_once())
 
 
 @pytest.mark.parametrize("width", [80, 120, 200])
