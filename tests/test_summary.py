@@ -132,26 +132,32 @@ def test_the_summary_reads_at_80_columns_with_every_verdict_and_target_whole(qui
     assert not any(all(single[i : i + 3]) for i in range(len(lines) - 2)), text
 
 
-def test_summary_prints_a_finished_report_again_and_refuses_an_unfinished_one(quick_report, tmp_path):
+def test_summary_prints_a_finished_report_again_and_refuses_an_unfinished_one(quick_report, tmp_path, capsys):
+    """``python -m plusequals summary``, as a process once (the text at 80 columns), then through the
+    same entry point in this process (``plusequals.cli.main``: argv in, exit status out), which
+    saves three interpreters that import torch: the JSON alone on stdout, and a missing or an
+    interrupted report refused in one line with exit status 2."""
+    from plusequals.cli import main
+
     py = [sys.executable, "-m", "plusequals", "summary"]
     again = subprocess.run(
         [*py, str(quick_report)], capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"}
     )
     assert again.returncode == 0, again.stderr
     assert "Verdicts" in again.stdout and "Targets" in again.stdout and "REPORT.md" in again.stdout
-    as_json = subprocess.run([*py, str(quick_report), "--json"], capture_output=True, text=True)
-    assert json.loads(as_json.stdout) == json.loads(json.dumps(summary.build(_data(quick_report), quick_report)))
-    missing = subprocess.run([*py, str(tmp_path / "nowhere")], capture_output=True, text=True)
-    assert missing.returncode == 2 and missing.stdout == "" and len(missing.stderr.strip().splitlines()) == 1
-    assert "make report" in missing.stderr
+    capsys.readouterr()
+    assert main(["summary", str(quick_report), "--json"]) == 0
+    as_json = capsys.readouterr()
+    assert json.loads(as_json.out) == json.loads(json.dumps(summary.build(_data(quick_report), quick_report)))
+    assert main(["summary", str(tmp_path / "nowhere")]) == 2
+    missing = capsys.readouterr()
+    assert missing.out == "" and len(missing.err.strip().splitlines()) == 1
+    assert "make report" in missing.err
     data = _data(quick_report) | {"complete": False}
     (tmp_path / "results.json").write_text(json.dumps(data))
-    unfinished = subprocess.run([*py, str(tmp_path)], capture_output=True, text=True)
-    assert (
-        unfinished.returncode == 2
-        and "interrupted" in unfinished.stderr
-        and len(unfinished.stderr.strip().splitlines()) == 1
-    )
+    assert main(["summary", str(tmp_path)]) == 2
+    unfinished = capsys.readouterr()
+    assert "interrupted" in unfinished.err and len(unfinished.err.strip().splitlines()) == 1
 
 
 @functools.cache
