@@ -918,17 +918,59 @@ def sweep_modules(test):
     return test
 
 
+def module_state(module: nn.Module) -> list:
+    """What from_torch must leave as it was on the module it reads: every submodule (by identity,
+    in order), its training flag, and each attribute and each entry of its dicts (parameters,
+    buffers, submodules, hooks) by identity. The objects are held, so no id can be reused."""
+    return [
+        (name, m, m.training, dict(vars(m)), {k: dict(d) for k, d in vars(m).items() if isinstance(d, dict)})
+        for name, m in module.named_modules(remove_duplicate=False)
+    ]
+
+
+def same_module_state(before: list, after: list) -> str | None:
+    """None when ``after`` is ``before``; else what differs."""
+    if [(n, m) for n, m, *_ in before] != [(n, m) for n, m, *_ in after]:
+        return "its submodules"
+    for (name, m, training, attrs, dicts), (_, _, training2, attrs2, dicts2) in zip(before, after):
+        where = name or "the block"
+        if training != training2:
+            return f"{where}.training"
+        changed = sorted(set(attrs) ^ set(attrs2)) + [k for k in attrs if k in attrs2 and attrs[k] is not attrs2[k]]
+        changed += [
+            f"{k}[{e!r}]"
+            for k in dicts
+            for e in set(dicts[k]) | set(dicts2.get(k, {}))
+            if dicts[k].get(e) is not dicts2.get(k, {}).get(e)
+        ]
+        if changed:
+            return f"{where}: {', '.join(map(str, changed))}"
+    return None
+
+
 @FUZZ
 @given(from_torch_specs)
 @sweep_modules
 def fuzz_from_torch(spec):
+    from plusequals.twin import letgo
+
     module, problems = make_fuzz_module(spec)
     STATS[f"object:{spec['object']}"] += 1
     if spec["object"] == "block":
         STATS[f"op:{spec['op']}"] += 1
     snaps = {k: snapshot(v) for k, v in module.named_parameters()} if isinstance(module, nn.Module) else {}
+    state = module_state(module) if isinstance(module, nn.Module) else None
     label = f"from_torch({spec}), problems={problems}"
-    rust, _ = attempt(lambda: RustBlock.from_torch(module, trust=spec["trust"]), problems, label, "valid block refused")
+    adopt = functools.partial(RustBlock.from_torch, module, trust=spec["trust"])
+    rust, err = attempt(adopt, problems, label, "valid block refused")
+    del err  # its traceback holds the refused twin's frames
+    if state is not None:  # read, built and probed, or refused: the module is as it was
+        differs = same_module_state(state, module_state(module))
+        assert differs is None, f"{label}: from_torch changed {differs}"
+        if problems:  # a refusal follows nothing: once collected, no twin lets go of this module's parameters
+            gc.collect()
+            assert not [f for f in list(letgo._FOLLOWS) if f.source is module], f"{label}: refused, yet followed"
+        STATS["module unchanged"] += 1
     if not problems:
         device = next(module.parameters()).device
         dtype = next(module.parameters()).dtype
@@ -946,6 +988,25 @@ def fuzz_from_torch(spec):
         STATS["ok"] += 1
     for k, v in module.named_parameters() if isinstance(module, nn.Module) else ():
         assert unchanged(snaps[k], v), f"{label}: parameter {k} was mutated"
+
+
+def test_the_module_state_check_sees_each_change_from_torch_must_not_make():
+    """fuzz_from_torch's check of the module it read can fail: an attribute set, a hook added, a
+    training flag flipped, a parameter or a submodule replaced, each named."""
+    changes = {
+        "the block: extra": lambda b: setattr(b, "extra", 1),
+        "attn1: _forward_pre_hooks": lambda b: b.attn1.register_forward_pre_hook(lambda m, a: None),
+        "norm1.training": lambda b: b.norm1.train(not b.norm1.training),
+        "_parameters['weight']": lambda b: setattr(b.norm2, "weight", nn.Parameter(b.norm2.weight.detach().clone())),
+        "its submodules": lambda b: setattr(b.attn2, "to_q", nn.Linear(b.attn2.to_q.in_features, 1, bias=False)),
+    }
+    for named, change in changes.items():
+        block = small_block()
+        before = module_state(block)
+        assert same_module_state(before, module_state(block)) is None
+        change(block)
+        differs = same_module_state(before, module_state(block))
+        assert differs is not None and named in differs, (named, differs)
 
 
 FUZZERS = {
@@ -1010,7 +1071,8 @@ REQUIRED_TENSOR_PROBLEMS = [
 def test_fuzz_bad_inputs(entry):
     """500 generated cases per entry point, in a child process: each call equals the PyTorch
     block or raises TypeError/ValueError/RuntimeError naming the offending argument, and
-    leaves the caller's tensors bitwise unchanged."""
+    leaves the caller's tensors bitwise unchanged; from_torch leaves the module it read as it
+    was (its submodules, attributes, hooks, flags), and a refusal follows nothing."""
     stats = run_child([str(Path(__file__).resolve()), entry])
     assert stats["cases"] >= FUZZ_CASES, stats
     assert stats["ok"] >= 50 and stats["error"] >= 100, f"too few valid or invalid cases: {stats}"
@@ -1027,6 +1089,7 @@ def test_fuzz_bad_inputs(entry):
         missing += [c for c in BAD_VALUES if stats.get(f"config:{c}", 0) < len(BAD_VALUES[c])]
         assert not missing, f"mutations never generated: {missing}: {stats}"
     if entry == "from_torch":
+        assert stats.get("module unchanged", 0) >= 200, f"too few modules checked after from_torch: {stats}"
         missing = [f"op:{op}" for op in MODULE_OPS if stats.get(f"op:{op}", 0) < 2]
         missing += [f"object:{o}" for o in NON_BLOCKS if stats.get(f"object:{o}", 0) < 1]
         assert not missing, f"never generated: {missing}: {stats}"
