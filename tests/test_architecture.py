@@ -203,7 +203,7 @@ def test_the_weight_keys_come_from_rust_and_are_the_pytorch_blocks_state_dict():
 
     for gated in (True, False):
         config = BlockConfig(32, 4, 8, 24, gated, "sdpa")
-        assert list(config.keys) == _rust.weight_keys(**config._asdict())
+        assert list(config.keys) == _rust.Config(**config._asdict()).weight_keys()
         block = BasicTransformerBlock(32, 4, 8, context_dim=24, gated_ff=gated)
         assert sorted(config.keys) == sorted(block.state_dict())
     lora = (("attn1.to_q", 4, 1.0, False, False), ("ff.net.2", 2, 0.5, True, True), ("attn1.to_q", 3, 1.0, True, False))

@@ -1393,7 +1393,7 @@ def test_raw_extension_nested_weight_raises_not_panics():
     block = small_block()
     weights = dict(block.named_parameters())
     weights["norm1.weight"] = torch.nested.nested_tensor([torch.ones(DIM)])
-    err = _raw_error(lambda: _rust.Block(weights, dim=DIM, n_heads=HEADS, d_head=D_HEAD, context_dim=CTX))
+    err = _raw_error(lambda: _rust.Block(weights, _rust.Config(dim=DIM, n_heads=HEADS, d_head=D_HEAD, context_dim=CTX)))
     assert isinstance(err, ValueError) and "norm1.weight" in str(err), repr(err)
 
 
@@ -1409,7 +1409,7 @@ def test_raw_extension_names_the_meta_device():
 def test_raw_extension_reports_overflowing_dims():
     block = small_block()
     weights = dict(block.named_parameters())
-    err = _raw_error(lambda: _rust.Block(weights, dim=DIM, n_heads=2**32, d_head=2**32, context_dim=CTX))
+    err = _raw_error(lambda: _rust.Block(weights, _rust.Config(dim=DIM, n_heads=2**32, d_head=2**32, context_dim=CTX)))
     assert isinstance(err, ValueError) and ("n_heads" in str(err) or "overflow" in str(err)), repr(err)
 
 

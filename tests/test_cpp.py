@@ -81,7 +81,9 @@ def test_cpp_errors_are_exceptions_not_crashes():
     with pytest.raises(ValueError, match="^x "):
         cpp(torch.randn(2, 4, 81), torch.randn(2, 77, 192))
     with pytest.raises(ValueError, match="language"):
-        _rust.Block(dict(block.named_parameters()), dim=80, n_heads=8, d_head=10, context_dim=192, language="go")
+        _rust.Block(
+            dict(block.named_parameters()), _rust.Config(dim=80, n_heads=8, d_head=10, context_dim=192, language="go")
+        )
 
 
 def test_every_cpp_gallery_case_compiles_and_its_bug_happens():

@@ -65,10 +65,10 @@ def test_pytorch_rust_and_cpp_blocks_agree_bitwise(scales, tokens, batch, masked
             y = block(ins[0], ins[1], encoder_attention_mask=mask, ip_adapter=ins[2:])
             params = list(block.parameters())  # state_dict's order
         else:
-            twin = _rust.Block(
-                dict(zip(weights, params)), dim=DIM, n_heads=HEADS, d_head=DIM // HEADS, context_dim=CROSS,
-                ip_adapter=scales, language=name,
-            )  # fmt: skip
+            config = _rust.Config(
+                dim=DIM, n_heads=HEADS, d_head=DIM // HEADS, context_dim=CROSS, ip_adapter=scales, language=name
+            )
+            twin = _rust.Block(dict(zip(weights, params)), config)
             y = twin.forward(ins[0], ins[1], None, None, mask, ins[2:])
         results[name] = grads_of(y, ins + params)
     expected = results["torch"]

@@ -61,11 +61,13 @@ class EntryPoint:
         else:
             self.module = _rust.Block(
                 dict(self.block.named_parameters()),
-                dim=DIM,
-                n_heads=HEADS,
-                d_head=D_HEAD,
-                context_dim=self.block.context_dim,
-                language=name.split("-")[1],
+                _rust.Config(
+                    dim=DIM,
+                    n_heads=HEADS,
+                    d_head=D_HEAD,
+                    context_dim=self.block.context_dim,
+                    language=name.split("-")[1],
+                ),
             )
         self.raw = name.startswith("raw")
 

@@ -52,11 +52,7 @@ def entry_point(name: str):
     else:
         module = _rust.Block(
             dict(block.named_parameters()),
-            dim=DIM,
-            n_heads=HEADS,
-            d_head=D_HEAD,
-            context_dim=CTX,
-            language=name.split("-")[1],
+            _rust.Config(dim=DIM, n_heads=HEADS, d_head=D_HEAD, context_dim=CTX, language=name.split("-")[1]),
         )
     return block, module
 

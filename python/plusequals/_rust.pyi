@@ -9,6 +9,7 @@ from torch import Tensor
 
 __all__ = [
     "Block",
+    "Config",
     "DonationConsumed",
     "Entry",
     "OwnershipError",
@@ -23,7 +24,6 @@ __all__ = [
     "alias_routes",
     "cpp_gallery",
     "tensor_facts",
-    "weight_keys",
 ]
 
 TCH_VERSION: str
@@ -85,10 +85,9 @@ class Entry:
     def forward_owned(self, x: Tensor, context: Optional[Tensor] = None, donate: bool = False) -> Any: ...
 
 @final
-class Block:
+class Config:
     def __new__(
         cls,
-        weights: Mapping[str, Tensor],
         *,
         dim: int,
         n_heads: int,
@@ -100,7 +99,12 @@ class Block:
         lora: Sequence[Tuple[str, int, float, bool, bool]] = ...,
         ip_adapter: Sequence[float] = ...,
         custom_diffusion: Sequence[Tuple[str, bool, bool, bool]] = ...,
-    ) -> Block: ...
+    ) -> Config: ...
+    def weight_keys(self) -> List[str]: ...
+
+@final
+class Block:
+    def __new__(cls, weights: Mapping[str, Tensor], config: Config) -> Block: ...
     def forward(
         self,
         x: Tensor,
@@ -130,19 +134,6 @@ class Block:
         watch: Optional[Watch] = None,
     ) -> Tensor: ...
 
-def weight_keys(
-    *,
-    dim: int,
-    n_heads: int,
-    d_head: int,
-    context_dim: Optional[int] = None,
-    gated_ff: bool = True,
-    attention: str = "sdpa",
-    language: str = "rust",
-    lora: Sequence[Tuple[str, int, float, bool, bool]] = ...,
-    ip_adapter: Sequence[float] = ...,
-    custom_diffusion: Sequence[Tuple[str, bool, bool, bool]] = ...,
-) -> List[str]: ...
 def alias_routes() -> List[Tuple[str, str]]: ...
 def cpp_gallery() -> List[Tuple[str, bool, str]]: ...
 def tensor_facts(t: Tensor) -> Dict[str, Any]: ...

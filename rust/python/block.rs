@@ -17,51 +17,62 @@ use crate::cpp::CppBlock;
 use crate::ownership::Caller;
 use crate::{BasicTransformerBlock, BlockConfig, CustomDiffusionSpec, LoraSpec, NoGrad, Result};
 
-/// The CompVis keys of the weights a block of this configuration takes (`_rust.Block`'s keyword
-/// arguments; the same in either language), in the order the custom ops take them:
-/// `BlockConfig::weight_keys`, the one list of them (`plusequals.twin.config` reads it).
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (*, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa", language="rust", lora=Vec::new(), ip_adapter=Vec::new(), custom_diffusion=Vec::new()))]
-pub(super) fn weight_keys(
-    dim: i64,
-    n_heads: i64,
-    d_head: i64,
-    context_dim: Option<i64>,
-    gated_ff: bool,
-    attention: &str,
-    language: &str,
-    lora: Vec<(String, i64, f64, bool, bool)>,
-    ip_adapter: Vec<f64>,
-    custom_diffusion: Vec<(String, bool, bool, bool)>,
-) -> PyResult<Vec<String>> {
-    if !matches!(language, "rust" | "cpp") {
-        return Err(PyValueError::new_err(format!("language must be 'rust' or 'cpp', got {language:?}")));
-    }
-    let cfg =
-        block_config((dim, n_heads, d_head, context_dim), gated_ff, attention, lora, ip_adapter, custom_diffusion)?;
-    cfg.weight_keys().map_err(to_py)
+/// What the weights alone do not tell a block, and which twin computes: `_rust.Block`'s second
+/// argument, with the fields of `plusequals.twin.config.BlockConfig` (Python's one list of them),
+/// taken by name here and only here. A configuration Rust refuses raises `ValueError`.
+#[pyclass(name = "Config", module = "plusequals._rust", frozen)]
+pub(super) struct PyConfig {
+    config: BlockConfig,
+    cpp: bool,
 }
 
-/// The configuration from `_rust.Block`'s keyword arguments.
-fn block_config(
-    (dim, n_heads, d_head, context_dim): (i64, i64, i64, Option<i64>),
-    gated_ff: bool,
-    attention: &str,
-    lora: Vec<(String, i64, f64, bool, bool)>,
-    ip_adapter: Vec<f64>,
-    custom_diffusion: Vec<(String, bool, bool, bool)>,
-) -> PyResult<BlockConfig> {
-    let lora = lora
-        .into_iter()
-        .map(|(linear, rank, scaling, bias, dora)| LoraSpec { linear, rank, scaling, bias, dora })
-        .collect();
-    let custom_diffusion = custom_diffusion
-        .into_iter()
-        .map(|(attn, train_kv, train_q_out, out_bias)| CustomDiffusionSpec { attn, train_kv, train_q_out, out_bias })
-        .collect();
-    let attention = attention.parse().map_err(to_py)?;
-    Ok(BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention, lora, ip_adapter, custom_diffusion })
+#[pymethods]
+impl PyConfig {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (*, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa", language="rust", lora=Vec::new(), ip_adapter=Vec::new(), custom_diffusion=Vec::new()))]
+    fn new(
+        dim: i64,
+        n_heads: i64,
+        d_head: i64,
+        context_dim: Option<i64>,
+        gated_ff: bool,
+        attention: &str,
+        language: &str,
+        lora: Vec<(String, i64, f64, bool, bool)>,
+        ip_adapter: Vec<f64>,
+        custom_diffusion: Vec<(String, bool, bool, bool)>,
+    ) -> PyResult<Self> {
+        let cpp = match language {
+            "rust" => false,
+            "cpp" => true,
+            other => return Err(PyValueError::new_err(format!("language must be 'rust' or 'cpp', got {other:?}"))),
+        };
+        let lora = lora
+            .into_iter()
+            .map(|(linear, rank, scaling, bias, dora)| LoraSpec { linear, rank, scaling, bias, dora })
+            .collect();
+        let custom_diffusion = custom_diffusion
+            .into_iter()
+            .map(|(attn, train_kv, train_q_out, out_bias)| CustomDiffusionSpec {
+                attn,
+                train_kv,
+                train_q_out,
+                out_bias,
+            })
+            .collect();
+        let attention = attention.parse().map_err(to_py)?;
+        let config =
+            BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention, lora, ip_adapter, custom_diffusion };
+        Ok(PyConfig { config, cpp })
+    }
+
+    /// The CompVis keys of the weights a block of this configuration takes (the same in either
+    /// language), in the order the custom ops take them: `BlockConfig::weight_keys`, the one list
+    /// of them (`plusequals.twin.config` reads it).
+    fn weight_keys(&self) -> PyResult<Vec<String>> {
+        self.config.weight_keys().map_err(to_py)
+    }
 }
 
 /// The Rust `BasicTransformerBlock` (or, with `language="cpp"`, its C++ twin). Use it through
@@ -74,32 +85,13 @@ pub(super) struct PyBlock {
 #[pymethods]
 impl PyBlock {
     #[new]
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (weights, *, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa", language="rust", lora=Vec::new(), ip_adapter=Vec::new(), custom_diffusion=Vec::new()))]
-    fn new(
-        weights: HashMap<String, PyTensor>,
-        dim: i64,
-        n_heads: i64,
-        d_head: i64,
-        context_dim: Option<i64>,
-        gated_ff: bool,
-        attention: &str,
-        language: &str,
-        lora: Vec<(String, i64, f64, bool, bool)>,
-        ip_adapter: Vec<f64>,
-        custom_diffusion: Vec<(String, bool, bool, bool)>,
-    ) -> PyResult<Self> {
-        let dims = (dim, n_heads, d_head, context_dim);
-        let cfg = block_config(dims, gated_ff, attention, lora, ip_adapter, custom_diffusion)?;
+    fn new(weights: HashMap<String, PyTensor>, config: PyRef<'_, PyConfig>) -> PyResult<Self> {
+        let cfg = &config.config;
         let mut weights: Vec<(String, Tensor)> = weights.into_iter().map(|(k, v)| (k, v.0)).collect();
         weights.sort_by(|a, b| a.0.cmp(&b.0));
-        let cpp = match language {
-            "rust" => None,
-            // The C++ block gets its own handles on the same weights (no copies).
-            "cpp" => Some(CppBlock::from_weights(&weights, &cfg).map_err(to_py)?),
-            other => return Err(PyValueError::new_err(format!("language must be 'rust' or 'cpp', got {other:?}"))),
-        };
-        let rust = BasicTransformerBlock::from_weights(weights.into_iter().collect(), &cfg).map_err(to_py)?;
+        // The C++ block gets its own handles on the same weights (no copies).
+        let cpp = if config.cpp { Some(CppBlock::from_weights(&weights, cfg).map_err(to_py)?) } else { None };
+        let rust = BasicTransformerBlock::from_weights(weights.into_iter().collect(), cfg).map_err(to_py)?;
         Ok(PyBlock { block: SharedBlock(Twins { rust, cpp }) })
     }
 

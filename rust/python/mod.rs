@@ -19,7 +19,7 @@ mod tools;
 mod twins;
 mod watch;
 
-use block::{weight_keys, PyBlock};
+use block::{PyBlock, PyConfig};
 use entry::PyEntry;
 use errors::CLASSES;
 #[cfg(feature = "failpoints")]
@@ -32,12 +32,12 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // pyo3-tch can only unwrap tensors once torch's Python classes are registered.
     m.py().import("torch")?;
     m.add_class::<PyBlock>()?;
+    m.add_class::<PyConfig>()?;
     m.add_class::<PyWatch>()?;
     m.add_class::<PyEntry>()?;
     for class in CLASSES {
         m.add(class.short_name(), class.get(m.py())?)?;
     }
-    m.add_function(wrap_pyfunction!(weight_keys, m)?)?;
     m.add_function(wrap_pyfunction!(alias_routes, m)?)?;
     m.add_function(wrap_pyfunction!(cpp_gallery, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_facts, m)?)?;

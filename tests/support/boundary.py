@@ -94,7 +94,8 @@ def grad_context(mode: str):
 def _raw_block(**kw):
     block = small_block(**kw)
     return block, _rust.Block(
-        dict(block.named_parameters()), dim=DIM, n_heads=HEADS, d_head=D_HEAD, context_dim=block.context_dim
+        dict(block.named_parameters()),
+        _rust.Config(dim=DIM, n_heads=HEADS, d_head=D_HEAD, context_dim=block.context_dim),
     )
 
 

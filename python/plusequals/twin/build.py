@@ -36,7 +36,7 @@ def validated_inner(weights: Mapping[str, Tensor], config: BlockConfig) -> Tuple
     dims = check_dims(dim=config.dim, n_heads=config.n_heads, d_head=config.d_head, context_dim=config.context_dim)
     device = _check_weight_types(weights)
     _check_twin(config)
-    inner = _rust.Block(dict(weights), **config._replace(**dims)._asdict())
+    inner = _rust.Block(dict(weights), _rust.Config(**config._replace(**dims)._asdict()))
     return inner, device
 
 

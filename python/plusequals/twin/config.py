@@ -1,6 +1,6 @@
-"""One configuration type for the Rust block, passed by name everywhere: to ``_rust.Block``
-(``**config._asdict()``), to the custom ops, and between ``RustBlock``, the reading of a module
-and the ops; and the keys of the weights it takes, which the extension gives. Imports nothing of
+"""One configuration type for the Rust block, passed by name everywhere: to ``_rust.Block`` (as
+``_rust.Config(**config._asdict())``), to the custom ops, and between ``RustBlock``, the reading of
+a module and the ops; and the keys of the weights it takes, which the extension gives. Imports nothing of
 the package but the extension."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ OP_FIELDS: Tuple[str, ...] = BlockConfig._fields[: BlockConfig._fields.index("lo
 
 @functools.lru_cache(maxsize=256)
 def _weight_keys(config: BlockConfig) -> Tuple[str, ...]:
-    return tuple(_rust.weight_keys(**config._asdict()))
+    return tuple(_rust.Config(**config._asdict()).weight_keys())
 
 
 def rust_keys(gated_ff: bool) -> Tuple[str, ...]:
