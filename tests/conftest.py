@@ -36,18 +36,8 @@ def examples(n: int) -> int:
 
 # The tests' report: every section at the quick shapes, timed with the fewest rounds (--smoke). No
 # test reads which way a measured number fell, so a real run's rounds would only cost time.
-QUICK_REPORT = [
-    sys.executable,
-    "-m",
-    "plusequals",
-    "report",
-    "--quick",
-    "--smoke",
-    "--device",
-    "cpu",
-    "--json",
-    "--out",
-]
+SMOKE_REPORT = [sys.executable, "-m", "plusequals", "report", "--quick", "--smoke", "--device", "cpu"]
+QUICK_REPORT = [*SMOKE_REPORT, "--json", "--out"]
 _STARTED = "PLUSEQUALS_TEST_QUICK_REPORT"  # where the controller's early quick report writes
 
 
@@ -119,6 +109,16 @@ def make_inputs(tokens=256, dim=80, context=True, batch=BATCH, seed=1, dtype=tor
     x = torch.randn(batch, tokens, dim, generator=g).to(device, dtype)
     c = torch.randn(batch, CONTEXT[0], CONTEXT[1], generator=g).to(device, dtype) if context else None
     return x, c
+
+
+def outcome(f):
+    """What ``f()`` gives under ``no_grad``: its result, or the exception it raised (a test that
+    compares a twin with its library sorts them)."""
+    try:
+        with torch.no_grad():
+            return f()
+    except Exception as e:  # noqa: BLE001 - the caller sorts them
+        return e
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -27,11 +27,7 @@ from hypothesis import strategies as st
 from conftest import examples
 from plusequals import DonatedTensor, OwnershipError, RustBlock
 from plusequals.twin import aliases
-from support.boundary import _raw_block, assert_matches, same_bits, small_block, small_inputs
-
-# A race runs until both of its outcomes were seen, at most this many attempts: a count, not a
-# wall-clock limit, so that a busy machine only makes it slower.
-RACE_ATTEMPTS = 50_000
+from support.boundary import RACE_ATTEMPTS, _raw_block, assert_matches, same_bits, small_block, small_inputs
 
 
 @pytest.mark.parametrize("route", aliases.PY_ROUTES, ids=lambda r: r.name)

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -25,9 +22,9 @@ import plusequals
 from conftest import examples
 from plusequals.auditing.scope import AuditScope
 from plusequals.auditing.tracers import COMPILE, EXPORT, FX
+from support.programs import package_path, python
 
 pytest_plugins = ["pytester"]
-PYTHONPATH = str(Path(__file__).resolve().parents[1] / "python")
 
 PROGRAM = """\
 import torch
@@ -57,16 +54,10 @@ print(traced(x).tolist(), str(traced.graph))
 """
 
 
-def _python(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    command = [sys.executable, "-X", "faulthandler", *args]
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
-
-
 def test_audit_run_counts_a_compiled_functions_module_calls_and_leaves_its_results_alone(tmp_path):
     (tmp_path / "compiled.py").write_text(PROGRAM)
-    plain = _python(tmp_path, "compiled.py")
-    audited = _python(tmp_path, "-m", "plusequals", "audit", "run", "compiled.py")
+    plain = python(tmp_path, "compiled.py")
+    audited = python(tmp_path, "-m", "plusequals", "audit", "run", "compiled.py")
     assert plain.returncode == 0, plain.stderr
     assert audited.returncode == 0, audited.stderr
     assert audited.stdout == plain.stdout  # the floats bit for bit, the FX graph the same
@@ -119,7 +110,7 @@ def test_compiled_step():
 
 def test_the_plugin_says_how_many_compiled_calls_it_did_not_audit(pytester, monkeypatch):
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
-    monkeypatch.setenv("PYTHONPATH", PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("PYTHONPATH", package_path())
     pytester.makepyfile(test_compiled=textwrap.dedent(PLUGIN_TESTS))
     result = pytester.runpytest_subprocess("-p", "plusequals.auditing.plugin", "--plusequals-audit", "-rA")
     result.assert_outcomes(passed=1)
@@ -337,7 +328,7 @@ def test_dynamo_imported_in_the_scope_without_torch_compile_counts_nothing(tmp_p
     """The limit the guide states: Dynamo imported after ``audit run`` opened its scope, and used
     before ``torch.compile`` or an audited call, took the scope's module call for torch's."""
     (tmp_path / "unhooked.py").write_text(UNHOOKED)
-    audited = _python(tmp_path, "-m", "plusequals", "audit", "run", "unhooked.py")
+    audited = python(tmp_path, "-m", "plusequals", "audit", "run", "unhooked.py")
     assert audited.returncode == 0, audited.stderr
     assert audited.stdout == "True\n"
     # the eager call of ``net`` only: the compiled call is neither audited nor counted

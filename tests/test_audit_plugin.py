@@ -9,21 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from support.programs import RESIDUAL
+
 pytest_plugins = ["pytester"]
 
-TESTS = """\
-import torch
-from torch import nn
-
-
-class Residual(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        x += self.lin(x)
-        return x
+TESTS = (
+    RESIDUAL
+    + """\
 
 
 class Clean(nn.Module):
@@ -50,6 +42,7 @@ def test_training():
     out = model(torch.randn(2, 4, requires_grad=True))
     out.mul_(2)  # outside any module call: not the audit's
 """
+)
 
 
 @pytest.fixture

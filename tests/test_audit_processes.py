@@ -6,16 +6,13 @@ reported by the parent, the program's output its own."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from plusequals.auditing import sites
-
-PYTHONPATH = str(Path(__file__).resolve().parents[1] / "python")
+from support.programs import python
 
 LOADER = """\
 import sys
@@ -50,16 +47,10 @@ if __name__ == "__main__":
 """
 
 
-def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    command = [sys.executable, "-X", "faulthandler", *args]
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
-
-
 def test_a_forked_workers_finding_renders_as_the_same_finding_without_workers(tmp_path):
     (tmp_path / "loader.py").write_text(LOADER)
-    alone = _run(tmp_path, "-m", "plusequals", "audit", "run", "loader.py", "0", "none")
-    forked = _run(tmp_path, "-m", "plusequals", "audit", "run", "loader.py", "2", "fork")
+    alone = python(tmp_path, "-m", "plusequals", "audit", "run", "loader.py", "0", "none")
+    forked = python(tmp_path, "-m", "plusequals", "audit", "run", "loader.py", "2", "fork")
     assert alone.returncode == forked.returncode == 1, (alone.stderr, forked.stderr)
     assert forked.stdout == alone.stdout
     note = "note: 8 of these calls ran in 2 forked worker processes\n"
@@ -143,7 +134,7 @@ def test_hogwild_trainers_are_audited_and_reported_by_the_parent(tmp_path, how):
     program prints what it prints unaudited: the ranks that finished (no plain run: it would
     start three more interpreters to print the same line)."""
     (tmp_path / "hogwild.py").write_text(HOGWILD)
-    audited = _run(tmp_path, "-m", "plusequals", "audit", "run", "hogwild.py", how, "2", "3")
+    audited = python(tmp_path, "-m", "plusequals", "audit", "run", "hogwild.py", how, "2", "3")
     assert audited.returncode == 1, audited.stderr  # the findings, from the trainers
     assert audited.stdout == "[0, 1]\n"
     err = audited.stderr
@@ -194,7 +185,7 @@ def test_a_workers_library_write_is_placed_at_the_users_line_in_sarif(tmp_path):
     logs = []
     for workers in ("0", "2"):
         out = f"out{workers}.sarif"
-        proc = _run(
+        proc = python(
             tmp_path / "src", "-m", "plusequals", "audit", "run", "--format", "sarif", "-o", out, "images.py", workers
         )
         assert proc.returncode == 1, proc.stderr

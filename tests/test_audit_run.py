@@ -5,7 +5,6 @@ against the SARIF 2.1.0 schema), allows, exit statuses. Programs are written int
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,9 +14,9 @@ import pytest
 
 from plusequals.cli.run import main as audit_run
 from plusequals.cli.run import split
+from support.programs import RESIDUAL, python
 
 SCHEMA = Path(__file__).parent / "data" / "sarif-schema-2.1.0.json"
-PYTHONPATH = str(Path(__file__).resolve().parents[1] / "python")
 
 # Net.gate writes into the h Net was given by the program (E0596: the outermost call's argument) and
 # still reads (E0382 at `y + h`), and that Linear saved (E0502)
@@ -74,14 +73,7 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run(
-        [sys.executable, "-m", "plusequals", "audit", "run", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    return python(tmp_path, "-m", "plusequals", "audit", "run", *args)
 
 
 def test_split_leaves_the_programs_options_to_the_program():
@@ -339,22 +331,12 @@ def test_the_readme_example_is_a_real_run(tmp_path, capsys):
     assert [p.split(":")[0] for p in paragraphs] == ["error[E0382]", "error[E0502]", "error"]
 
 
-SKIP = """\
-import torch
-from torch import nn
+SKIP = (
+    RESIDUAL
+    + """\
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        x += self.lin(x)
-        return x
-
-
-block = Block()
+block = Residual()
 with torch.no_grad():
     for _ in range(2):
         x = torch.randn(2, 4)
@@ -362,6 +344,7 @@ with torch.no_grad():
         x = block(x)
         print((x + h).shape)
 """
+)
 
 
 def test_a_read_at_the_programs_level_after_the_outermost_call_wrote_is_E0382(tmp_path, capsys):

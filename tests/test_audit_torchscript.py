@@ -7,11 +7,7 @@ a module call the audit could see, but every aten op it runs is). Under ``audit(
 from __future__ import annotations
 
 import inspect
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +16,9 @@ from torch import nn
 import plusequals
 from plusequals.auditing.frames import short_path
 from plusequals.auditing.scope import AuditScope
+from support.programs import python
 
 pytest_plugins = ["pytester"]
-PYTHONPATH = str(Path(__file__).resolve().parents[1] / "python")
 
 
 class Writer(nn.Module):
@@ -100,14 +96,8 @@ print(y.tolist(), z.tolist())
 
 def test_audit_run_audits_scripted_calls_as_opaque_calls_and_leaves_the_output_alone(tmp_path):
     (tmp_path / "scripted.py").write_text(PROGRAM)
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", "")}
-
-    def run(*args: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-X", "faulthandler", *args]
-        return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
-
-    plain = run("scripted.py")
-    audited = run("-m", "plusequals", "audit", "run", "scripted.py")
+    plain = python(tmp_path, "scripted.py")
+    audited = python(tmp_path, "-m", "plusequals", "audit", "run", "scripted.py")
     assert plain.returncode == 0, plain.stderr
     assert audited.returncode == 1, audited.stderr  # the findings, not a crash
     assert audited.stdout == plain.stdout  # TorchScript's results, bit for bit

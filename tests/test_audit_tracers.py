@@ -7,9 +7,6 @@ so the programs that trace run in a subprocess."""
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -17,8 +14,7 @@ import torch
 from torch import nn
 
 from plusequals.auditing.scope import AuditScope, tracer
-
-PYTHONPATH = str(Path(__file__).resolve().parents[1] / "python")
+from support.programs import package_path, python
 
 pytest_plugins = ["pytester"]
 
@@ -36,21 +32,10 @@ print(traced(x).tolist(), net(x).tolist())
 """
 
 
-def _python(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run(
-        [sys.executable, "-X", "faulthandler", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-
-
 def test_jit_trace_under_audit_run_is_the_plain_run_and_is_counted(tmp_path):
     (tmp_path / "trace.py").write_text(TRACE)
-    plain = _python(tmp_path, "trace.py")
-    audited = _python(tmp_path, "-m", "plusequals", "audit", "run", "trace.py")
+    plain = python(tmp_path, "trace.py")
+    audited = python(tmp_path, "-m", "plusequals", "audit", "run", "trace.py")
     assert plain.returncode == 0, plain.stderr
     assert audited.returncode == 0, audited.stderr  # not 139: SIGSEGV in TracingState::getOutput
     assert audited.stdout == plain.stdout  # the same graph (no audit op in it), the same floats
@@ -97,7 +82,7 @@ def test_the_audits_memory_reads_are_never_recorded_by_the_jit_tracer(tmp_path):
     leaves its thread state cleared; the trace's end then dereferences it. ``span`` pauses the
     tracer: no crash, and nothing of the audit's in the user's graph."""
     (tmp_path / "probe.py").write_text(SPAN_IN_A_TRACE)
-    proc = _python(tmp_path, "probe.py")
+    proc = python(tmp_path, "probe.py")
     assert proc.returncode == 0 and proc.stdout == "same graph\n", proc.stderr
 
 
@@ -192,7 +177,7 @@ def test_trace():
 
 def test_the_plugin_survives_a_trace_and_says_what_it_did_not_audit(pytester, monkeypatch):
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
-    monkeypatch.setenv("PYTHONPATH", PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("PYTHONPATH", package_path())
     pytester.makepyfile(test_traced=textwrap.dedent(PLUGIN_TESTS))
     # in a subprocess: the crash this guards against took the whole session down
     result = pytester.runpytest_subprocess("-p", "plusequals.auditing.plugin", "--plusequals-audit", "-rA")

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -19,9 +16,9 @@ from hypothesis import strategies as st
 from plusequals.auditing.children import dump, load
 from plusequals.auditing.report import AuditReport, Finding
 from plusequals.auditing.scope import AuditedCall
+from support.programs import python
 
 pytest_plugins = ["pytester"]
-PYTHONPATH = str(Path(__file__).resolve().parents[1] / "python")
 
 LOADER = """\
 import sys
@@ -58,12 +55,6 @@ if __name__ == "__main__":
 """
 
 
-def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    command = [sys.executable, "-X", "faulthandler", *args]
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
-
-
 def _plain() -> str:
     """What the program prints without the audit (in this process, with no worker: the batches
     do not depend on where they were made)."""
@@ -78,7 +69,9 @@ def _plain() -> str:
 @pytest.mark.parametrize(("workers", "context"), [(0, "none"), (2, "fork"), (2, "spawn")])
 def test_a_transforms_write_is_found_in_worker_processes_too(tmp_path, workers, context):
     (tmp_path / "loader.py").write_text(LOADER)
-    as_json = _run(tmp_path, "-m", "plusequals", "audit", "run", "--format", "json", "loader.py", str(workers), context)
+    as_json = python(
+        tmp_path, "-m", "plusequals", "audit", "run", "--format", "json", "loader.py", str(workers), context
+    )
     assert as_json.returncode == 1, as_json.stderr
     assert as_json.stdout == _plain()  # the batches, bit for bit
     report = json.loads(as_json.stderr)
@@ -87,7 +80,7 @@ def test_a_transforms_write_is_found_in_worker_processes_too(tmp_path, workers, 
     assert report["watched"]["calls"] == 8
     assert report["workers"] == ({context: {"processes": 2, "calls": 8}} if workers else {})
     if context == "fork":  # the text, once (spawned workers are the slowest to start)
-        text = _run(tmp_path, "-m", "plusequals", "audit", "run", "loader.py", str(workers), context)
+        text = python(tmp_path, "-m", "plusequals", "audit", "run", "loader.py", str(workers), context)
         assert text.returncode == 1 and text.stdout == as_json.stdout
         assert "note: 8 of these calls ran in 2 forked worker processes\n" in text.stderr
         assert text.stderr.rstrip().endswith("error: 2 errors (E0596 x2) in 8 audited calls")
@@ -202,7 +195,7 @@ if __name__ == "__main__":
 
 def test_forkserver_workers_are_not_audited_and_the_summary_says_so(tmp_path):
     (tmp_path / "server.py").write_text(FORKSERVER)
-    proc = _run(tmp_path, "-m", "plusequals", "audit", "run", "server.py")
+    proc = python(tmp_path, "-m", "plusequals", "audit", "run", "server.py")
     assert proc.returncode == 0 and proc.stdout == "[2, 2]\n", proc.stderr
     assert proc.stderr == (
         "note: 2 forkserver worker processes not audited (their server runs unaudited)\nno errors in 0 audited calls\n"

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import examples, randomize_, rel_err
+from conftest import examples, outcome, randomize_, rel_err
 from plusequals import CppBlock, RustBlock, UnsupportedBlockError, swap_transformer_blocks
 from plusequals.twin.swap import RustTransformerBlock
 
@@ -324,14 +324,6 @@ def _mask(kind, keys):
     }[kind]
 
 
-def _outcome(f):
-    try:
-        with torch.no_grad():
-            return f()
-    except Exception as e:  # noqa: BLE001 - the test sorts them
-        return e
-
-
 @FAST
 @given(
     cls=st.sampled_from(CLASSES),
@@ -350,14 +342,14 @@ def test_whatever_diffusers_computes_runs_or_is_a_named_refusal(cls, context, se
     x, c = inputs(context)
     m1, m2 = _mask(self_mask, 16), _mask(cross_mask, 7 if context else 16)
     kw = {"attention_mask": m1, "encoder_attention_mask": m2}
-    expected = _outcome(lambda: reference(x, encoder_hidden_states=c, **kw))
+    expected = outcome(lambda: reference(x, encoder_hidden_states=c, **kw))
     block = copy.deepcopy(reference)
     if swap:
         twin = RustTransformerBlock(block, owned=owned)
-        got = _outcome(lambda: twin(x, encoder_hidden_states=c, **kw))
+        got = outcome(lambda: twin(x, encoder_hidden_states=c, **kw))
     else:
         twin = RustBlock.from_torch(block)
-        got = _outcome(lambda: (twin.forward_owned if owned else twin.forward)(x, c, **kw))
+        got = outcome(lambda: (twin.forward_owned if owned else twin.forward)(x, c, **kw))
     if isinstance(got, torch.Tensor):
         assert isinstance(expected, torch.Tensor)
         assert torch.equal(got, expected) if cls is CustomDiffusionAttnProcessor2_0 else rel_err(got, expected) <= 1e-5

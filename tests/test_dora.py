@@ -21,11 +21,11 @@ from plusequals.twin.swap import RustTransformerBlock
 
 pytest.importorskip("peft", reason="needs the optional extra plusequals[diffusers]")
 pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
-from peft import LoraConfig  # noqa: E402
 
 from support.lora import (  # noqa: E402
     OPS,
     SLOW,
+    UnetPair,
     adapter_configs,
     add_adapter,
     call,
@@ -33,6 +33,8 @@ from support.lora import (  # noqa: E402
     inputs,
     layers,
     lora_block,
+    unet_adapter,
+    unet_inputs,
 )
 
 
@@ -202,57 +204,22 @@ def test_dora_with_a_dropout_layer_in_training_is_refused_naming_it():
 # --------------------------------------------------------------------------------------------
 
 
-def unet_dora(unet, name, seed, **config):
-    config = {"r": 4, "lora_alpha": 4, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"], **config}
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        unet.add_adapter(LoraConfig(init_lora_weights=False, use_dora=True, **config), adapter_name=name)
-
-
 def test_swapped_unet_with_dora_forward_backward_and_diffusers_api(tiny_unet):
     """Adapter "a" added before the swap, "b" after it: both through ``unet.add_adapter``."""
-    g = torch.Generator().manual_seed(17)
-    sample, t = torch.randn(2, 4, 16, 16, generator=g), torch.tensor([10, 700])
-    context = torch.randn(2, 77, 32, generator=g)
     reference, unet = tiny_unet(), tiny_unet()
     for model in (reference, unet):
-        unet_dora(model, "a", 18)
+        unet_adapter(model, "a", 18, dora=True)
     swap_transformer_blocks(unet)
-
-    def step(model, **kw):
-        model.zero_grad(set_to_none=True)
-        out = model(sample, t, context, **kw).sample
-        (out**2).sum().backward()
-        return [out] + [p.grad for n, p in model.named_parameters() if "lora_" in n and p.grad is not None]
-
-    def same_step(**kw):
-        a, b = step(unet, **kw), step(reference, **kw)
-        return len(a) == len(b) > 1 and all(torch.equal(x, y) for x, y in zip(a, b))
-
-    assert same_step()
+    pair = UnetPair(unet, reference, unet_inputs())
+    assert pair.same_step()
     blocks = [m for m in unet.modules() if isinstance(m, RustTransformerBlock)]
     assert blocks and all(any(term[4] for term in m._config.lora) for m in blocks)  # DoRA, read at the call
     assert all(p.grad is not None for p in magnitudes(unet).values())
-    for model in (unet, reference):
-        unet_dora(model, "b", 19, r=2)  # after the swap
-        model.set_adapters(["a", "b"], weights=[0.5, 1.5])
-    assert same_step(cross_attention_kwargs={"scale": 0.5})  # the UNet scales the layers, then unscales them
-
-    def same_output():
-        with torch.no_grad():
-            return torch.equal(unet(sample, t, context).sample, reference(sample, t, context).sample)
-
-    for model in (unet, reference):
-        model.disable_lora()
-    assert same_output()
-    for model in (unet, reference):
-        model.enable_lora()
-        model.fuse_lora(lora_scale=0.7)
-    assert same_output()
-    for model in (unet, reference):
-        model.unfuse_lora()
-        model.set_adapters("b")
-    assert same_output()
+    pair.each(lambda m: (unet_adapter(m, "b", 19, dora=True, r=2), m.set_adapters(["a", "b"], weights=[0.5, 1.5])))
+    assert pair.same_step(cross_attention_kwargs={"scale": 0.5})  # the UNet scales the layers, then unscales them
+    assert pair.disabled_then_fused_agree()
+    pair.each(lambda m: (m.unfuse_lora(), m.set_adapters("b")))
+    assert pair.same_output()
     with torch.no_grad():
-        plain = tiny_unet()(sample, t, context).sample
-        assert rel_err(unet(sample, t, context).sample, plain) > 1e-4, "DoRA should change the output"
+        plain = tiny_unet()(*pair.inputs).sample
+        assert rel_err(unet(*pair.inputs).sample, plain) > 1e-4, "DoRA should change the output"

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import examples, randomize_
+from conftest import examples, outcome, randomize_
 from plusequals import BasicTransformerBlock, CppBlock, RustBlock, UnsupportedBlockError, _rust
 
 diffusers = pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
@@ -130,14 +130,6 @@ def call_args(kind, n_adapters, mask, batch=2, seed=0):
         "2d": torch.zeros(batch, keys),
     }
     return x, context, masks[mask]
-
-
-def outcome(f):
-    try:
-        with torch.no_grad():
-            return f()
-    except Exception as e:  # noqa: BLE001 - the test sorts them
-        return e
 
 
 @FAST

@@ -21,7 +21,6 @@ from plusequals.twin.swap import RustTransformerBlock
 
 peft = pytest.importorskip("peft", reason="needs the optional extra plusequals[diffusers]")
 pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
-from peft import LoraConfig  # noqa: E402
 
 from support.lora import (  # noqa: E402
     CTX,
@@ -30,6 +29,7 @@ from support.lora import (  # noqa: E402
     HEADS,
     OPS,
     SLOW,
+    UnetPair,
     adapter_configs,
     add_adapter,
     call,
@@ -37,6 +37,8 @@ from support.lora import (  # noqa: E402
     inputs,
     layers,
     lora_block,
+    unet_adapter,
+    unet_inputs,
 )
 
 
@@ -166,64 +168,25 @@ def test_lora_is_refused_where_the_custom_ops_would_run():
 # --------------------------------------------------------------------------------------------
 
 
-def unet_adapter(unet, name, seed, **config):
-    config = {"r": 4, "lora_alpha": 4, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"], **config}
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        unet.add_adapter(LoraConfig(init_lora_weights=False, **config), adapter_name=name)
-
-
 @pytest.mark.parametrize("adapter_after_swap", [False, True])
 def test_swapped_unet_with_lora_forward_backward_and_diffusers_api(tiny_unet, adapter_after_swap):
     from plusequals import swap_transformer_blocks
 
-    g = torch.Generator().manual_seed(17)
-    sample, t, context = (
-        torch.randn(2, 4, 16, 16, generator=g),
-        torch.tensor([10, 700]),
-        torch.randn(2, 77, 32, generator=g),
-    )
     reference, unet = tiny_unet(), tiny_unet()
     for model in (reference, unet) if not adapter_after_swap else (reference,):
         unet_adapter(model, "a", 18)
     swap_transformer_blocks(unet)
     if adapter_after_swap:
         unet_adapter(unet, "a", 18)
-
-    def step(model, **kw):
-        model.zero_grad(set_to_none=True)
-        out = model(sample, t, context, **kw).sample
-        (out**2).sum().backward()
-        return [out] + [p.grad for n, p in model.named_parameters() if "lora_" in n and p.grad is not None]
-
-    def same(**kw):
-        a, b = step(unet, **kw), step(reference, **kw)
-        return len(a) == len(b) > 1 and all(torch.equal(x, y) for x, y in zip(a, b))
-
-    assert same()
+    pair = UnetPair(unet, reference, unet_inputs())
+    assert pair.same_step()
     assert all(m._config.lora for m in unet.modules() if isinstance(m, RustTransformerBlock))  # read at the call
-    assert same(cross_attention_kwargs={"scale": 0.5})  # the UNet scales the layers, then unscales them
-    for model in (unet, reference):
-        unet_adapter(model, "b", 19, r=2)
-        model.set_adapters(["a", "b"], weights=[0.5, 1.5])
-    assert same()
-
-    def same_output():
-        with torch.no_grad():
-            return torch.equal(unet(sample, t, context).sample, reference(sample, t, context).sample)
-
-    for model in (unet, reference):
-        model.disable_lora()
-    assert same_output()
-    for model in (unet, reference):
-        model.enable_lora()
-        model.fuse_lora(lora_scale=0.7)
-    assert same_output()
-    for model in (unet, reference):
-        model.disable_lora()  # disabled while fused: PEFT would unmerge inside its forward
+    assert pair.same_step(cross_attention_kwargs={"scale": 0.5})  # the UNet scales the layers, then unscales them
+    pair.each(lambda m: (unet_adapter(m, "b", 19, r=2), m.set_adapters(["a", "b"], weights=[0.5, 1.5])))
+    assert pair.same_step()
+    assert pair.disabled_then_fused_agree()
+    pair.each(lambda m: m.disable_lora())  # disabled while fused: PEFT would unmerge inside its forward
     with torch.no_grad(), pytest.raises(UnsupportedBlockError, match="disabled while"):
-        unet(sample, t, context)
-    for model in (unet, reference):
-        model.unfuse_lora()
-        model.enable_lora()
-    assert same()
+        unet(*pair.inputs)
+    pair.each(lambda m: (m.unfuse_lora(), m.enable_lora()))
+    assert pair.same_step()

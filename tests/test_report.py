@@ -7,14 +7,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import examples
+from conftest import SMOKE_REPORT, examples
 from plusequals.bench import measure, timing
 from plusequals.bench.results import NUMBER, fmt
 from plusequals.bench.setup import HOST_THREADS
@@ -478,14 +477,7 @@ def test_results_are_written_as_they_come(tmp_path):
     first cell's torch.compile, JAX and ONNX Runtime), whose set-up comes before its first rows."""
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "plusequals",
-            "report",
-            "--quick",
-            "--smoke",
-            "--device",
-            "cpu",
+            *SMOKE_REPORT,
             "--out",
             str(tmp_path),
             "--no-unet",

@@ -23,12 +23,10 @@ from typing import Callable, Dict
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from torch import nn
 
 from conftest import rel_err
-from support.sites import SCALE, SITES, TOL, Site, run_sequence, same_or_refused
+from support.sites import SCALE, SITES, TOL, Site, generated_sequences, run_sequence, same_or_refused
 
 
 def _patch(owner, name: str, wrap: Callable) -> Callable[[], None]:
@@ -207,13 +205,7 @@ def test_every_route_changes_the_pytorch_block(site):
     assert rel_err(site.run(), before) <= TOL
 
 
-@settings(
-    max_examples=12,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
-@given(steps=st.lists(st.sampled_from(NAMES), min_size=1, max_size=5))
+@generated_sequences(NAMES)
 def test_generated_changes_are_followed_or_refused_and_undone_work_again(site, steps):
     run_sequence(site, ROUTES, steps)
 

@@ -4,21 +4,15 @@ releases the GIL while libtorch computes."""
 from __future__ import annotations
 
 import collections
-import random
 import sys
 import threading
-import time
 
 import pytest
 import torch
 
 from conftest import make_block
 from plusequals import RustBlock, WeightsChanged
-from support.boundary import same_bits, small_block, small_inputs, snapshot, unchanged
-
-# A race runs until both of its outcomes were seen, at most this many attempts: a count, not a
-# wall-clock limit, so that a busy machine only makes it slower.
-RACE_ATTEMPTS = 50_000
+from support.boundary import race, same_bits, small_block, small_inputs, snapshot, unchanged
 
 
 @pytest.fixture
@@ -176,33 +170,15 @@ def test_concurrent_in_place_writes_raise_or_give_exact_results(one_intra_op_thr
     x, c = small_inputs()
     with torch.no_grad():
         expected = rust(x, c)
-    stop = threading.Event()
 
-    def writer():
-        rng = random.Random(0)
-        while not stop.is_set():
-            burst_end = time.perf_counter() + rng.uniform(0, 2e-3)
-            while time.perf_counter() < burst_end:
-                with torch.no_grad():
-                    block.attn1.to_q.weight.add_(0.0)
-            time.sleep(rng.uniform(0, 2e-3))
+    def attempt():
+        try:
+            y = rust(x, c)
+        except WeightsChanged:
+            return "refused"
+        assert same_bits(y, expected)
+        return "exact"
 
-    w = threading.Thread(target=writer)
-    w.start()
-    outcomes = collections.Counter()
-    try:
-        with torch.no_grad():
-            while (sum(outcomes.values()) < 500 or min(outcomes["refused"], outcomes["exact"]) == 0) and sum(
-                outcomes.values()
-            ) < RACE_ATTEMPTS:
-                try:
-                    y = rust(x, c)
-                except WeightsChanged:
-                    outcomes["refused"] += 1
-                    continue
-                assert same_bits(y, expected)
-                outcomes["exact"] += 1
-    finally:
-        stop.set()
-        w.join()
+    with torch.no_grad():
+        outcomes = race(block.attn1.to_q.weight, attempt, ("refused", "exact"), least=500)
     assert outcomes["refused"] > 0 and outcomes["exact"] > 0, outcomes

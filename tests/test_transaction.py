@@ -16,10 +16,7 @@ invariant is ``tests/test_transaction_stateful.py``.
 
 from __future__ import annotations
 
-import collections
-import random
 import threading
-import time
 import weakref
 
 import pytest
@@ -31,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from plusequals import CppBlock, DonatedTensor, DonationConsumed, OwnershipError, RustBlock, _rust
-from support.boundary import CTX, D_HEAD, DIM, HEADS, assert_matches, same_bits, small_block, small_inputs
+from support.boundary import CTX, D_HEAD, DIM, HEADS, assert_matches, race, same_bits, small_block, small_inputs
 
 ENTRIES = ["RustBlock", "CppBlock", "raw-rust", "raw-cpp"]
 
@@ -41,11 +38,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching"),
 ]
-
-
-# A race runs until both of its outcomes were seen, at most this many attempts: a count, not a
-# wall-clock limit, so that a busy machine only makes it slower.
-RACE_ATTEMPTS = 50_000
 
 
 class EntryPoint:
@@ -466,38 +458,19 @@ def test_a_weight_written_by_another_thread_during_a_donation_is_never_lost():
     entry = EntryPoint("RustBlock")
     x0, c = small_inputs()
     expected = entry.expected(x0, c)
-    stop = threading.Event()
-    weight = entry.block.attn1.to_q.weight
 
-    def writer():
-        rng = random.Random(0)
-        while not stop.is_set():
-            burst_end = time.perf_counter() + rng.uniform(0, 2e-3)
-            while time.perf_counter() < burst_end:
-                with torch.no_grad():
-                    weight.add_(0.0)
-            time.sleep(rng.uniform(0, 2e-3))
+    def attempt():
+        x = x0.clone()
+        try:
+            y = entry.owned(x, c)
+        except DonationConsumed as e:
+            assert "written in place" in str(e), str(e)  # why the result was discarded
+            assert isinstance(x, DonatedTensor)
+            return "consumed"
+        assert same_bits(y, expected) and isinstance(x, DonatedTensor)
+        return "exact"
 
-    thread = threading.Thread(target=writer)
-    thread.start()
-    outcomes = collections.Counter()
-    try:
-        while (sum(outcomes.values()) < 200 or min(outcomes["exact"], outcomes["consumed"]) == 0) and sum(
-            outcomes.values()
-        ) < RACE_ATTEMPTS:
-            x = x0.clone()
-            try:
-                y = entry.owned(x, c)
-            except DonationConsumed as e:
-                assert "written in place" in str(e), str(e)  # why the result was discarded
-                assert isinstance(x, DonatedTensor)
-                outcomes["consumed"] += 1
-                continue
-            assert same_bits(y, expected) and isinstance(x, DonatedTensor)
-            outcomes["exact"] += 1
-    finally:
-        stop.set()
-        thread.join()
+    outcomes = race(entry.block.attn1.to_q.weight, attempt, ("exact", "consumed"), least=200)
     assert outcomes["exact"] and outcomes["consumed"], outcomes
 
 

@@ -33,13 +33,11 @@ from typing import Callable, Dict
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from torch import nn
 
 from conftest import rel_err
 from plusequals import CppBlock, RustBlock, UnsupportedBlockError
-from support.sites import SCALE, TOL, Site, run_sequence
+from support.sites import SCALE, TOL, Site, generated_sequences, run_sequence
 from support.sites import same_or_refused as _same_or_refused
 
 FACTOR = 1.0  # a global of this module, read by _helper: a function the reading does not follow
@@ -214,13 +212,7 @@ def test_each_route_is_followed_or_refused_and_undone_works_again(site, name):
     assert rel_err(site.run(), site.pytorch()) <= TOL, f"{name} undone: it must work again"
 
 
-@settings(
-    max_examples=12,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
-@given(steps=st.lists(st.sampled_from(NAMES), min_size=1, max_size=5))
+@generated_sequences(NAMES)
 def test_generated_changes_are_followed_or_refused_and_undone_work_again(site, steps):
     run_sequence(site, ROUTES, steps)
 
@@ -327,13 +319,7 @@ def test_what_the_codes_objects_hold_is_followed_or_refused(held, name):
     assert rel_err(held.run(), held.pytorch()) <= TOL, f"{name} undone: it must work again"
 
 
-@settings(
-    max_examples=8,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
-@given(steps=st.lists(st.sampled_from(list(HELD)), min_size=1, max_size=4))
+@generated_sequences(list(HELD), examples=8, longest=4)
 def test_generated_changes_of_what_the_code_holds(held, steps):
     run_sequence(held, HELD, steps)
 

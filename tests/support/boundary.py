@@ -1,9 +1,15 @@
 """Helpers shared by the boundary tests (test_boundary.py, test_donation.py, test_threads.py,
-test_aliases.py): a small block, its inputs, and what a caller can observe of a tensor."""
+test_aliases.py, test_transaction.py): a small block, its inputs, what a caller can observe of a
+tensor, and a race against a thread that writes a weight."""
 
 from __future__ import annotations
 
+import collections
+import random
 import re
+import threading
+import time
+from typing import Callable, Sequence
 
 import torch
 
@@ -12,6 +18,9 @@ from plusequals import DonatedTensor, _rust
 
 TOL = 1e-5
 DIM, HEADS, D_HEAD, CTX = 16, 2, 8, 12  # small: 500 fuzz cases run in seconds
+# A race runs until both of its outcomes were seen, at most this many attempts: a count, not a
+# wall-clock limit, so that a busy machine only makes it slower.
+RACE_ATTEMPTS = 50_000
 
 
 def small_block(context_dim=CTX, attention="sdpa", dtype=torch.float32, seed=0):
@@ -105,3 +114,34 @@ def _raw_error(fn):
     except BaseException as e:  # noqa: BLE001 - a PanicException is a BaseException
         return e
     return None
+
+
+def race(weight: torch.Tensor, attempt: Callable[[], str], wanted: Sequence[str], least: int) -> collections.Counter:
+    """Calls ``attempt()`` (which names its outcome) while a thread bumps ``weight``'s version
+    (adding 0.0: its values never change) in bursts with pauses between them, of seeded random
+    lengths: at least ``least`` attempts and until each outcome in ``wanted`` was seen (a pause
+    lets some calls through untouched, a burst overlaps others), at most :data:`RACE_ATTEMPTS`.
+    The outcomes, counted."""
+    stop = threading.Event()
+
+    def writer() -> None:
+        rng = random.Random(0)
+        while not stop.is_set():
+            burst_end = time.perf_counter() + rng.uniform(0, 2e-3)
+            while time.perf_counter() < burst_end:
+                with torch.no_grad():
+                    weight.add_(0.0)
+            time.sleep(rng.uniform(0, 2e-3))
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    outcomes: collections.Counter = collections.Counter()
+    try:
+        while (sum(outcomes.values()) < least or min(outcomes[w] for w in wanted) == 0) and sum(
+            outcomes.values()
+        ) < RACE_ATTEMPTS:
+            outcomes[attempt()] += 1
+    finally:
+        stop.set()
+        thread.join()
+    return outcomes

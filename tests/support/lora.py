@@ -140,3 +140,55 @@ def followed_or_refused(block, ops, dora: bool = False) -> None:
                 assert torch.equal(x, kept)
             else:
                 assert torch.equal(call(rust, x, c), call(block, x, c)), op
+
+
+# --------------------------------------------------------------------------------------------
+# A swapped UNet beside its reference, through diffusers' own adapter API
+# --------------------------------------------------------------------------------------------
+
+
+def unet_adapter(unet, name, seed, dora=False, **config):
+    """``unet.add_adapter`` on the attentions' linears, seeded (the global generator left as it was)."""
+    config = {"r": 4, "lora_alpha": 4, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"], **config}
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        unet.add_adapter(LoraConfig(init_lora_weights=False, use_dora=dora, **config), adapter_name=name)
+
+
+def unet_inputs():
+    """The tiny UNet's sample, timesteps and context (conftest's ``tiny_unet``)."""
+    g = torch.Generator().manual_seed(17)
+    return torch.randn(2, 4, 16, 16, generator=g), torch.tensor([10, 700]), torch.randn(2, 77, 32, generator=g)
+
+
+class UnetPair:
+    """A swapped UNet and its unswapped reference, driven alike and compared bit for bit."""
+
+    def __init__(self, unet, reference, inputs):
+        self.unet, self.reference, self.inputs = unet, reference, inputs
+
+    def each(self, fn):
+        for model in (self.unet, self.reference):
+            fn(model)
+
+    def _step(self, model, **kw):
+        model.zero_grad(set_to_none=True)
+        out = model(*self.inputs, **kw).sample
+        (out**2).sum().backward()
+        return [out] + [p.grad for n, p in model.named_parameters() if "lora_" in n and p.grad is not None]
+
+    def same_step(self, **kw):
+        """A training step on each: the same output and the same gradient on every LoRA tensor."""
+        a, b = self._step(self.unet, **kw), self._step(self.reference, **kw)
+        return len(a) == len(b) > 1 and all(torch.equal(x, y) for x, y in zip(a, b))
+
+    def same_output(self):
+        with torch.no_grad():
+            return torch.equal(self.unet(*self.inputs).sample, self.reference(*self.inputs).sample)
+
+    def disabled_then_fused_agree(self):
+        """The adapters disabled, then enabled and fused (scale 0.7): the same output each time."""
+        self.each(lambda m: m.disable_lora())
+        disabled = self.same_output()
+        self.each(lambda m: (m.enable_lora(), m.fuse_lora(lora_scale=0.7)))
+        return disabled and self.same_output()

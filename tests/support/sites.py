@@ -4,10 +4,12 @@ on one change, and a sequence of changes applied and undone."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from conftest import CONTEXT, make_block, make_inputs, rel_err
@@ -91,3 +93,15 @@ def run_sequence(site: Site, routes: Dict[str, Callable[[Site], Callable[[], Non
         for undo in reversed(list(undos.values())):
             undo()
     assert rel_err(site.run(), site.pytorch()) <= TOL, f"every change undone, {steps}: it must work again"
+
+
+def generated_sequences(names: List[str], examples: int = 12, longest: int = 5) -> Callable[[Callable], Callable]:
+    """The decorator of a routes module's generated test, ``test(site, steps)``: hypothesis draws
+    ``examples`` sequences of up to ``longest`` of ``names`` (a name drawn again undoes it), which
+    the test runs with :func:`run_sequence`."""
+    return lambda test: settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.function_scoped_fixture],
+    )(given(steps=st.lists(st.sampled_from(names), min_size=1, max_size=longest))(test))
