@@ -138,9 +138,22 @@ class RustBlock(nn.Module):
         return rb
 
     def _adopt(self, block: nn.Module, error: type = UnsupportedBlockError, trust: Optional[str] = None) -> None:
-        """Registers ``block``'s six submodules here, follows ``block``, builds the Rust block."""
-        self._follow = Follow(self, block, trust)
-        self._follow.adopt(error)
+        """Registers ``block``'s six submodules here, reads ``block`` once (a refusal raises here,
+        with ``block`` untouched), follows it, builds the Rust block."""
+        follow = Follow(
+            block,
+            self._modules,
+            self._where(),
+            casts_layerwise=self.CASTS_LAYERWISE,
+            holds=self._holds,
+            drop=self._drop,
+            trust=trust,
+        )
+        self._follow = follow
+        follow.take_submodules()
+        self._read(error)
+        follow.resume()
+        self._ensure_current(error)  # the reading above is current: builds and probes
 
     @classmethod
     def from_state_dict(
@@ -190,15 +203,46 @@ class RustBlock(nn.Module):
         return type(self).__name__
 
     def _ensure_current(self, error: type = UnsupportedBlockError) -> None:
-        """The eager check before each call: made from a module, :meth:`Follow.ensure_current` (read
-        again, rebuild, probe or refuse); from a state dict, a rebuild where its tensors moved."""
-        if self._weights is None and self._follow is None:
-            return  # a raw Rust block (RustBlock(inner)): nothing to follow
-        if self._follow is not None:
-            self._follow.ensure_current(error)
-        else:
+        """The eager check before each call; a few microseconds when nothing changed. Made from a
+        module: read again where the watch moved (:meth:`_read`), built again where the weights
+        moved, and the code probed where it changed or the weights' dtype or device did
+        (:class:`Follow`); a refusal raises ``error``, with the hot path off. From a state dict: a
+        rebuild where its tensors moved."""
+        follow = self._follow
+        if follow is not None:
+            self._entry = None  # the hot path is off until the check has finished (_rebind)
+            if follow.stale():
+                self._read(error)
+            weights = self._weights
+            if weights is not None:
+                if self._rebuild():
+                    follow.rebuilt(weights[0])
+                follow.check_code(self._probe_forward(), self._config, weights[0], error)
+        elif self._weights is not None:
             self._rebuild()
+        else:
+            return  # a raw Rust block (RustBlock(inner)): nothing to follow
         self._rebind()  # read, built and probed: the hot path may call it
+
+    def _read(self, error: type = UnsupportedBlockError, traced: bool = False) -> None:
+        """Reads the module it follows again (:meth:`Follow.read`; a refusal raises ``error``) and
+        computes with what it read: its configuration and, in an eager call, its weights. The hot
+        path is off until the check has finished (:meth:`_rebind`)."""
+        self._entry = None
+        reading = self._follow.read(error, traced)
+        self._config = reading.spec._replace(language=self.LANGUAGE)
+        if not traced:
+            self._weights = tuple(reading.weights())
+
+    def _refuse(self, why: str) -> None:
+        """Refuses the call (:meth:`Follow.refuse`), with the hot path off."""
+        self._entry = None
+        self._follow.refuse(UnsupportedBlockError, why)
+
+    def _holds(self, t: Any) -> bool:
+        """Whether its Rust block computes with the tensor ``t`` (twin/letgo.py asks its Follow)."""
+        weights = self.__dict__.get("_weights")
+        return weights is not None and any(w is t for w in weights)
 
     def _rebuild(self) -> bool:
         """Builds the Rust block again unless it stands on exactly its weights now (storage, dtype,
@@ -219,7 +263,7 @@ class RustBlock(nn.Module):
         """Under torch.compile, run once at trace time: the block is read again if it changed
         (refusals raise there). The weights themselves reach the custom op as arguments."""
         if self._follow.stale():
-            self._follow.reread(traced=True)
+            self._read(traced=True)
         return 0
 
     def _traced_weights(self) -> List[Tensor]:
@@ -474,7 +518,7 @@ class RustBlock(nn.Module):
             self._follow.let_go()
 
     def _drop(self) -> None:
-        """Drops the Rust block: it builds again on the next call (:meth:`Follow.let_go`)."""
+        """Drops the Rust block: it builds again on the next call (:meth:`Follow.let_go` calls it)."""
         self._entry = self._weights = None
         self._twin.inner = self._twin.weights = self._twin.facts = self._twin.other = None
 

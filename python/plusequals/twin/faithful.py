@@ -358,13 +358,17 @@ def require_module(block: Any) -> None:
 
 
 def read_block(
-    block: Any, kids: Optional[Dict[str, Any]] = None, *, owner: Optional[nn.Module] = None, trust: Optional[str] = None
+    block: Any,
+    kids: Optional[Dict[str, Any]] = None,
+    *,
+    modules: Optional[Dict[str, Any]] = None,
+    trust: Optional[str] = None,
 ) -> Reading:
     """Reads ``block`` against the definition (module docstring).
 
-    ``kids``: the six submodules to read instead of ``block``'s own; ``owner``: the module that
-    took them over (a ``RustBlock``, the swap's replacement), whose own slots for them are
-    watched too. Block-level attributes are read from ``block``. ``trust="probe"`` accepts
+    ``kids``: the six submodules to read instead of ``block``'s own; ``modules``: the submodule
+    dict of the module that took them over (a ``RustBlock``, the swap's replacement), whose own
+    slots for them are watched too. Block-level attributes are read from ``block``. ``trust="probe"`` accepts
     classes this module does not know, for the probe to check (``RustBlock.from_torch``).
     Raises ``TypeError`` naming ``block`` when it is not a transformer block at all; every other
     problem is a reason in the returned :class:`Reading`.
@@ -378,8 +382,8 @@ def read_block(
     for name in CHILDREN:  # noted: a replaced submodule means a new reading
         if name in block._modules:
             r.w.get(block, name)
-        if owner is not None and name in owner._modules:  # by identity, with no guard that would hold owner
-            r.w._note(owner._modules, name, owner._modules[name], None, by_identity=True)
+        if modules is not None and name in modules:  # by identity, with no guard that would hold their module
+            r.w._note(modules, name, modules[name], None, by_identity=True)
     if type(block).__module__.startswith("diffusers.") or _is_diffusers_block(block):
         return _read_diffusers(r, block)
     missing = [name for name in CHILDREN if not isinstance(kids.get(name), nn.Module)]

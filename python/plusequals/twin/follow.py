@@ -3,21 +3,25 @@
 A ``RustBlock`` made with ``from_torch`` (or the swap's block) must never compute with anything but
 what the PyTorch forward would read now. Its :class:`Follow` holds that block (the *source*), the
 last reading of it (:func:`plusequals.twin.faithful.read_block`, with its watch), and the probe's
-state (what the forward's code was when the probe last agreed, what it ran), and does, once per
-call where the watch moved: the re-read, the rebuild of the Rust block, the probe, or the refusal
-(:meth:`Follow.ensure_current`). The twin holds one and calls it; :mod:`plusequals.twin.delegate`
-(the PyTorch block run in the twin's place) and :mod:`plusequals.twin.letgo` (letting go of the
-parameters before torch swaps one) use its public interface.
+state (what the forward's code was when the probe last agreed, what it ran). The twin drives it:
+it asks whether the source moved (:meth:`Follow.stale`), has it read the source again
+(:meth:`Follow.read`, which answers the reading the twin then computes with) and checks the code
+where it must (:meth:`Follow.check_code`); Follow answers, or raises a refusal naming the twin. It
+writes nothing of the twin's but the submodules it takes over, in the dict the twin gave it.
+:mod:`plusequals.twin.delegate` (the PyTorch block run in the twin's place) and
+:mod:`plusequals.twin.letgo` (letting go of the parameters before torch swaps one) use its
+interface too.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import Tensor, nn
 
 from ..errors import UnsupportedBlockError
 from . import letgo
+from .config import BlockConfig
 from .faithful import ADAPTERS, CHILDREN, Reading, can_probe, probe, read_block
 from .forward_code import code_changes
 from .record import Ran, Recorder
@@ -34,15 +38,29 @@ _NO_CASTING = (
 class Follow:
     """The source module a twin follows, its reading and watch, and the probe's state.
 
-    ``owner`` is the twin (a ``RustBlock``): its submodules are the source's six, registered on it;
-    its name (``owner._where()``) starts every refusal; the Rust block, configuration and weights it
-    computes with are set here from each reading (``owner._config``, ``owner._weights``, and the
-    rebuild through ``owner._rebuild()``). A copy of the owner (``copy.deepcopy``, pickling) copies
-    the source and reads it again on first use."""
+    ``modules`` is the twin's submodule dict, where the source's six are registered; ``name``
+    starts every refusal; ``casts_layerwise``: whether the twin runs diffusers' layerwise casting
+    (the swap's does); ``holds(t)``: whether the twin's Rust block computes with the tensor ``t``;
+    ``drop()``: drops it (the twin builds again on its next call). A copy of the twin
+    (``copy.deepcopy``, pickling) copies the source and reads it again on first use."""
 
-    def __init__(self, owner: nn.Module, source: nn.Module, trust: Optional[str] = None) -> None:
-        self.owner = owner
+    def __init__(
+        self,
+        source: nn.Module,
+        modules: Dict[str, Any],
+        name: str,
+        *,
+        casts_layerwise: bool,
+        holds: Callable[[Any], bool],
+        drop: Callable[[], None],
+        trust: Optional[str] = None,
+    ) -> None:
         self.source = source
+        self.modules = modules
+        self.name = name
+        self.casts_layerwise = casts_layerwise
+        self.holds = holds
+        self._drop = drop
         self.trust = trust  # from_torch(trust=...): see there
         self.reading: Optional[Reading] = None  # the last reading; None: read again at the next call
         self.kids: Dict[str, Any] = {}  # the source's six submodules at the last reading
@@ -59,10 +77,6 @@ class Follow:
 
     # -- what others ask --------------------------------------------------------------------------
 
-    def where(self) -> str:
-        """The twin's name, for messages."""
-        return self.owner._where()
-
     def watch(self) -> Any:
         """The Rust side of the last reading's watch (``plusequals._rust.Watch``), or None when the
         source must be read again first."""
@@ -70,25 +84,17 @@ class Follow:
 
     def replaced(self) -> List[str]:
         """The submodules replaced on the twin and not on the source, whose forward would run the others."""
-        mine, theirs = self.owner._modules, self.source._modules
-        return [n for n in CHILDREN if mine.get(n) is not theirs.get(n)]
-
-    def holds(self, t: Any) -> bool:
-        """Whether the twin's Rust block computes with the tensor ``t``."""
-        weights = self.owner.__dict__.get("_weights")
-        return weights is not None and any(w is t for w in weights)
+        theirs = self.source._modules
+        return [n for n in CHILDREN if self.modules.get(n) is not theirs.get(n)]
 
     # -- taking over the source -------------------------------------------------------------------
 
-    def adopt(self, error: type = UnsupportedBlockError) -> None:
-        """Registers the source's six submodules on the twin, reads the source once (a refusal
-        raises here, with the source untouched), follows it, builds the Rust block."""
-        source, modules = self.source, self.owner._modules
-        for name in [n for n in source._modules if n in CHILDREN] + [n for n in CHILDREN if n not in source._modules]:
-            modules[name] = source._modules.get(name)  # in the block's order: same state_dict
-        self.reread(error)
-        self.resume()
-        self.owner._ensure_current(error)  # the reading above is current: builds and probes
+    def take_submodules(self) -> None:
+        """Registers the source's six submodules on the twin, in the block's order (the same
+        state_dict)."""
+        source = self.source._modules
+        for name in [n for n in source if n in CHILDREN] + [n for n in CHILDREN if n not in source]:
+            self.modules[name] = source.get(name)
 
     def resume(self) -> None:
         """Follows the source as it is now (after the adoption, or in a copy): its submodules, and
@@ -99,7 +105,7 @@ class Follow:
     def let_go(self) -> None:
         """Drops the Rust block and the reading: the twin reads the source and builds on the next call."""
         self.reading = None
-        self.owner._drop()
+        self._drop()
 
     # -- once per call --------------------------------------------------------------------------
 
@@ -107,59 +113,58 @@ class Follow:
         """Whether the source must be read again: never read (a copy), refused, or the watch moved."""
         return self.reading is None or not self.reading.watch.unchanged()
 
-    def ensure_current(self, error: type = UnsupportedBlockError) -> None:
-        """The eager check before a call: read again where the watch moved, rebuild where the weights
-        moved (probing again in a new dtype or device), probe where the code changed; a few
-        microseconds when nothing changed. Refusals raise ``error``."""
-        if self.stale():
-            self.reread(error)
-        weights = self.owner._weights
-        if weights is None:
-            return
-        if self.owner._rebuild():
-            self.probe_pending |= self._moved(weights[0])  # proven in one dtype and device: again there
-        if self.probe_pending:
-            self._run_probe(weights[0], error)
-
-    def reread(self, error: type = UnsupportedBlockError, traced: bool = False) -> None:
-        """Reads the source again. A submodule replaced on the source is taken over (one replaced on
-        the twin is kept); a reason to refuse raises ``error``. ``traced``: at trace time (the
-        parameters may be fake tensors), only what a traced call needs is kept."""
-        owner, source = self.owner, self.source
-        owner._entry = None  # the hot path is off until the check has finished (RustBlock._rebind)
+    def read(self, error: type = UnsupportedBlockError, traced: bool = False) -> Reading:
+        """Reads the source again, and answers the reading the twin computes with (its ``spec``,
+        its ``weights()``). A submodule replaced on the source is taken over (one replaced on the
+        twin is kept); a reason to refuse raises ``error``. ``traced``: at trace time (the
+        parameters may be fake tensors), only what a traced call needs is kept, and the next
+        eager call reads again."""
+        source, modules = self.source, self.modules
         for name in CHILDREN:
             now = source._modules.get(name)
             if now is not self.kids.get(name):
-                owner._modules[name] = now
+                modules[name] = now
         self.kids = {name: source._modules.get(name) for name in CHILDREN}
-        kids = {name: owner._modules.get(name) for name in CHILDREN}
-        reading = read_block(source, kids, owner=owner, trust=self.trust)
+        kids = {name: modules.get(name) for name in CHILDREN}
+        reading = read_block(source, kids, modules=modules, trust=self.trust)
         if reading.reasons:
             self.reading = None
             raise error(
-                f"{self.where()}: the Rust block cannot reproduce this block exactly: {'; '.join(reading.reasons)}. "
+                f"{self.name}: the Rust block cannot reproduce this block exactly: {'; '.join(reading.reasons)}. "
                 "It computes the SD v1 block (see plusequals.twin.faithful) and calls no submodule."
             )
-        if reading.casting and not owner.CASTS_LAYERWISE:
+        if reading.casting and not self.casts_layerwise:
             self.refuse(UnsupportedBlockError, _NO_CASTING)  # a ValueError too, as from_torch's
-        owner._config = reading.spec._replace(language=owner.LANGUAGE)
         self.lora_layers, self.casting = reading.lora_layers, bool(reading.casting)
         self.paths = reading.paths
         self.guards = [(obj, name, value, not isinstance(value, _SCALARS)) for obj, name, value in reading.watch.attrs]
         if traced:
             self.reading = None  # the next eager call reads again, on the real parameters
-            return
+            return reading
         self.reading = reading
-        owner._weights = tuple(reading.weights())
         reading.watch.add(self.ran)  # what the last checked run executed, from the values there now
         self.code_changes = code_changes(self.code_ok, reading.watch.code)
         self.probe_pending = bool(reading.unknown) or self.code_ok is None or bool(self.code_changes)
+        return reading
+
+    def rebuilt(self, weight: Tensor) -> None:
+        """The twin built its Rust block again, on weights like ``weight``: proven in one dtype and
+        on one device, the code is probed again in another."""
+        self.probe_pending |= self._moved(weight)
+
+    def check_code(
+        self, forward: Any, config: BlockConfig, weight: Tensor, error: type = UnsupportedBlockError
+    ) -> None:
+        """Probes the source against the Rust block's ``forward`` (of configuration ``config``, on
+        weights like ``weight``) where the reading asks for it (:meth:`_run_probe`); a refusal
+        raises ``error``."""
+        if self.probe_pending:
+            self._run_probe(forward, config, weight, error)
 
     def refuse(self, error: type, why: str) -> None:
         """Raises ``error`` naming the twin, with the reading dropped: the next call reads again."""
         self.reading = None
-        self.owner._entry = None
-        raise error(f"{self.where()}: {why}")
+        raise error(f"{self.name}: {why}")
 
     # -- the probe --------------------------------------------------------------------------------
 
@@ -172,7 +177,7 @@ class Follow:
         proven = ran.ops if ran is not None else None
         return bool(reading.unknown) or proven is None or (proven.dtype, proven.device) != (weight.dtype, weight.device)
 
-    def _run_probe(self, weight: Tensor, error: type) -> None:
+    def _run_probe(self, forward: Any, config: BlockConfig, weight: Tensor, error: type) -> None:
         """Runs the PyTorch block and the Rust block on one probe input (:func:`probe`) where it
         can: on the first reading, after the code the forward runs changed (a class patched, a
         module global replaced: ``Watch.code``), and for classes this crate does not know. Where
@@ -189,7 +194,7 @@ class Follow:
                 )
             return
         recorder = Recorder(reading.watch.functions, self.ran)  # what the PyTorch block runs: twin/record.py
-        reason = probe(self.source, self.owner._probe_forward(), self.owner._config, weight, recorder.call)
+        reason = probe(self.source, forward, config, weight, recorder.call)
         if reason:
             if reading.unknown:
                 classes = ", ".join(reading.unknown)
@@ -212,10 +217,10 @@ class Follow:
         for obj, name, value, by_identity in self.guards:
             now = getattr(obj, name, None)
             if (now is not value) if by_identity else (now != value):
-                raise UnsupportedBlockError(f"{self.where()}: {type(obj).__name__}.{name} changed while traced")
+                raise UnsupportedBlockError(f"{self.name}: {type(obj).__name__}.{name} changed while traced")
         why = next(filter(None, (a.untraceable(config, self.casting, self.lora_layers) for a in ADAPTERS)), None)
         if why:
-            raise UnsupportedBlockError(f"{self.where()}: {why}")
+            raise UnsupportedBlockError(f"{self.name}: {why}")
 
     # -- copies -----------------------------------------------------------------------------------
 

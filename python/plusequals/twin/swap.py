@@ -179,7 +179,7 @@ class RustTransformerBlock(RustBlock):
         if reading is None or not reading.watch.unchanged():
             if call:
                 note_call(*call)
-            self._follow.reread(error)
+            self._read(error)
             if not self._reading.casting:
                 RustBlock._ensure_current(self, error)  # nothing to cast: built now, on the new reading
         return self._reading.casting
@@ -191,7 +191,7 @@ class RustTransformerBlock(RustBlock):
             with casting.window(cast):
                 why = casting.mixed_dtypes(self._reading.paths, self._reading.weights())
                 if why:
-                    self._follow.refuse(UnsupportedBlockError, why)
+                    self._refuse(why)
                 yield
         finally:
             self._casting_now = False
