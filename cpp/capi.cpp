@@ -67,24 +67,19 @@ BasicTransformerBlock* pe_cpp_block_new(const char* const* keys, const at::Tenso
 
 void pe_cpp_block_free(BasicTransformerBlock* block) { delete block; }
 
-at::Tensor* pe_cpp_forward(const BasicTransformerBlock* block, const at::Tensor* x, const at::Tensor* context,
-                           const at::Tensor* mask1, const at::Tensor* mask2, const at::Tensor* const* images,
-                           int64_t n_images, char* err, size_t len) {
+// `forward` (out of place), or with `owned` set `forward_owned`, whose `x` is taken by value: the
+// block gets a second handle on `*x`'s tensor, so the caller (rust/cpp.rs, which checked that it
+// owns `x` alone) still holds the buffer if the block throws, and can tell from its version
+// counter whether anything was written.
+at::Tensor* pe_cpp_forward(const BasicTransformerBlock* block, int32_t owned, const at::Tensor* x,
+                           const at::Tensor* context, const at::Tensor* mask1, const at::Tensor* mask2,
+                           const at::Tensor* const* images, int64_t n_images, char* err, size_t len) {
   return guarded(err, len, [&] {
-    return new at::Tensor(
-        block->forward(*x, optional(context), optional(mask1), optional(mask2), images_of(images, n_images)));
-  });
-}
-
-// `x` by value: the block gets a second handle on `*x`'s tensor, so the caller (rust/cpp.rs, which
-// checked that it owns `x` alone) still holds the buffer if the block throws, and can tell from
-// its version counter whether anything was written.
-at::Tensor* pe_cpp_forward_owned(const BasicTransformerBlock* block, const at::Tensor* x, const at::Tensor* context,
-                                 const at::Tensor* mask1, const at::Tensor* mask2, const at::Tensor* const* images,
-                                 int64_t n_images, char* err, size_t len) {
-  return guarded(err, len, [&] {
-    return new at::Tensor(
-        block->forward_owned(*x, optional(context), optional(mask1), optional(mask2), images_of(images, n_images)));
+    const auto ctx = optional(context);
+    const auto m1 = optional(mask1), m2 = optional(mask2);
+    const auto ims = images_of(images, n_images);
+    return new at::Tensor(owned != 0 ? block->forward_owned(*x, ctx, m1, m2, ims)
+                                     : block->forward(*x, ctx, m1, m2, ims));
   });
 }
 

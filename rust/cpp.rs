@@ -43,17 +43,7 @@ extern "C" {
     fn pe_cpp_block_free(block: *mut RawBlock);
     fn pe_cpp_forward(
         block: *const RawBlock,
-        x: *const C_tensor,
-        context: *const C_tensor,
-        mask1: *const C_tensor,
-        mask2: *const C_tensor,
-        images: *const *const C_tensor,
-        n_images: i64,
-        err: *mut c_char,
-        len: usize,
-    ) -> *mut C_tensor;
-    fn pe_cpp_forward_owned(
-        block: *const RawBlock,
+        owned: i32,
         x: *const C_tensor,
         context: *const C_tensor,
         mask1: *const C_tensor,
@@ -170,12 +160,26 @@ impl CppBlock {
     /// [`forward`](Self::forward) with the attentions' masks and IP-Adapter's image embeddings
     /// ([`AttentionExtras`]; the caller checks the masks).
     pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, extras: AttentionExtras<'_>) -> Result<Tensor> {
+        self.call_forward(false, x, context, extras)
+    }
+
+    /// `pe_cpp_forward`: C++'s `forward`, or with `owned` its `forward_owned` on `x`'s buffer.
+    fn call_forward(
+        &self,
+        owned: bool,
+        x: &Tensor,
+        context: Option<&Tensor>,
+        extras: AttentionExtras<'_>,
+    ) -> Result<Tensor> {
         let (m1, m2) = (opt(extras.attn1), opt(extras.attn2));
         let images: Vec<*const C_tensor> = extras.ip_adapter.iter().map(|t| t.as_ptr()).collect();
         let n = images.len() as i64;
-        // SAFETY: `raw` is live; `x`, `context`, the masks and the images outlive the call.
+        // SAFETY: `raw` is live; `x`, `context`, the masks and the images outlive the call. Owned,
+        // the C++ side takes a second handle on `*x` for the call, so `x` still holds the buffer if
+        // it throws.
         call(|err, len| unsafe {
-            pe_cpp_forward(self.raw.as_ptr(), x.as_ptr(), opt(context), m1, m2, images.as_ptr(), n, err, len)
+            let (block, x, context) = (self.raw.as_ptr(), x.as_ptr(), opt(context));
+            pe_cpp_forward(block, owned.into(), x, context, m1, m2, images.as_ptr(), n, err, len)
         })
         .map(tensor)
     }
@@ -208,16 +212,9 @@ impl CppBlock {
             return Err(Failure::Unwritten(e, x));
         }
         let before = version(&x);
-        let (m1, m2) = (opt(extras.attn1), opt(extras.attn2));
-        let images: Vec<*const C_tensor> = extras.ip_adapter.iter().map(|t| t.as_ptr()).collect();
-        let n = images.len() as i64;
-        // SAFETY: as above; the C++ side takes a second handle on `*x` for the call, so `x` still
-        // holds the buffer if it throws.
-        let result = call(|err, len| unsafe {
-            pe_cpp_forward_owned(self.raw.as_ptr(), x.as_ptr(), opt(context), m1, m2, images.as_ptr(), n, err, len)
-        })
-        .map(tensor)
-        .and_then(|y| failpoint::check(Step::AfterFirstWrite).map(|()| y)); // C++ has written by now
+        let result = self
+            .call_forward(true, &x, context, extras)
+            .and_then(|y| failpoint::check(Step::AfterFirstWrite).map(|()| y)); // C++ has written by now
         match result {
             Ok(y) => Ok(y),
             Err(e) if before >= 0 && version(&x) == before => Err(Failure::Unwritten(e, x)),
