@@ -52,8 +52,28 @@ def pytest_configure(config):
     pytester's in-process runs drop the modules first imported inside them, and torch._inductor's
     test library, which Dynamo imports, cannot be defined a second time in one process. Here and
     not at the top: the child processes that import this module as a library (test_boundary.py's
-    fuzzers and leak check) need no Dynamo."""
+    fuzzers and leak check) need no Dynamo.
+
+    Inductor, as make test runs it however pytest is started (the workers and every child inherit
+    both): its kernels from the cache make keeps (CACHE/inductor, the Makefile's), and its C++
+    compiled in the process that compiles. Its default, a pool of compile workers started for each
+    compile, costs a Python start per worker (about 2 s of CPU each), which a warm cache never uses:
+    test_compiled_bugs.py alone took 70 s of CPU with the pool, 35 s without. Neither changes a
+    kernel: the cache is keyed by the graph, Inductor's config and torch's version.
+
+    OpenMP's threads wait for each other asleep (OMP_WAIT_POLICY=PASSIVE), read by libgomp when
+    libtorch loads: in the workers and children, not in this process. By default they spin first,
+    and a test that runs two intra-op threads on a core the other worker holds (test_threads.py,
+    test_layerwise_casting.py) spent its time spinning at each op's barrier: a bf16 UNet step took
+    20 s there against 2 s alone. The wait changes no result."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "plusequals" / "inductor"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     import torch._dynamo  # noqa: F401
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
 
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
