@@ -29,7 +29,6 @@ import collections
 import functools
 import gc
 import json
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -61,6 +60,7 @@ from support.boundary import (
     snapshot,
     unchanged,
 )
+from support.programs import python
 
 FUZZ_CASES = 500
 ALLOWED = (TypeError, ValueError, RuntimeError)
@@ -1038,9 +1038,7 @@ def run_child(args, timeout=None) -> dict:
     signal, e.g. SIGABRT from a C++ abort or SIGSEGV) or any failure fails the caller. Returns
     the JSON report the child printed last. No time limit by default: the work is counted (cases,
     calls), and a hang is pytest-timeout's (pyproject.toml), however busy the machine."""
-    proc = subprocess.run(
-        [sys.executable, "-X", "faulthandler", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
+    proc = python(REPO, *args, timeout=timeout)
     how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
     assert proc.returncode == 0, (
         f"child {args} failed ({how})\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
