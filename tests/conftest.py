@@ -67,8 +67,9 @@ def pytest_configure(config):
     test_layerwise_casting.py) spent its time spinning at each op's barrier: a bf16 UNet step took
     20 s there against 2 s alone. The wait changes no result."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "plusequals" / "inductor"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    from plusequals.cli.demo import build_cache
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(build_cache() / "inductor"))
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     import torch._dynamo  # noqa: F401
     import torch._inductor.config

@@ -14,7 +14,7 @@ from support.programs import python
 
 # What a program can see of how it was started, as JSON on stdout.
 FACTS = """\
-import json, os, sys, threading, atexit
+import json, os, sys, threading
 main = sys.modules["__main__"]
 facts = {
     "argv": sys.argv, "path0": sys.path[0], "path": sys.path[1:], "cwd": os.getcwd(), "name": __name__,
@@ -27,13 +27,13 @@ print(json.dumps(facts, sort_keys=True))
 EXITS = {
     "exit 3": "import sys; sys.exit(3)",
     "exit message": "import sys; sys.exit('bye')",
-    "uncaught": "def f():\\n    raise ValueError('boom')\\nf()",
+    "uncaught": "def f():\n    raise ValueError('boom')\nf()",
     "atexit and a thread": (
-        "import atexit, threading, time\\n"
-        "atexit.register(lambda: print('atexit'))\\n"
+        "import atexit, threading, time\n"
+        "atexit.register(lambda: print('atexit'))\n"
         "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()"
     ),
-    "excepthook": "import sys\\nsys.excepthook = lambda *a: print('hook', a[1])\\nraise KeyError(1)",
+    "excepthook": "import sys\nsys.excepthook = lambda *a: print('hook', a[1])\nraise KeyError(1)",
     "abort": "import os; os.abort()",
 }
 
@@ -54,10 +54,9 @@ def both(tmp_path, *args):
 def test_a_forked_program_sees_how_it_was_started_as_a_fresh_one_does(tmp_path, args):
     """Its argv, sys.path (an empty entry in PYTHONPATH is its own cwd), cwd, ``__name__``,
     ``__file__``, ``__main__``, environment, stdin, open fds and threads."""
-    (tmp_path / "forked").mkdir()
-    (tmp_path / "forked" / "facts.py").write_text(FACTS)
-    (tmp_path / "fresh").mkdir()
-    (tmp_path / "fresh" / "facts.py").write_text(FACTS)
+    for where in ("forked", "fresh"):
+        (tmp_path / where).mkdir()
+        (tmp_path / where / "facts.py").write_text(FACTS)
     forked, fresh = both(tmp_path, *args)
     assert forked.returncode == fresh.returncode == 0, forked.stderr + fresh.stderr
     forked, fresh = json.loads(forked.stdout), json.loads(fresh.stdout)
@@ -71,8 +70,7 @@ def test_a_forked_program_sees_how_it_was_started_as_a_fresh_one_does(tmp_path, 
 
 @pytest.mark.parametrize("name", list(EXITS))
 def test_a_forked_program_ends_as_a_fresh_one_does(tmp_path, name):
-    code = EXITS[name].encode().decode("unicode_escape")
-    forked, fresh = both(tmp_path, "-c", code)
+    forked, fresh = both(tmp_path, "-c", EXITS[name])
     assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout)
     if name != "abort":  # faulthandler's dump lists the extension modules loaded, torch's among them
         assert forked.stderr == fresh.stderr

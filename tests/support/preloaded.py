@@ -82,25 +82,23 @@ def _become(request: dict, base: list[str]) -> None:
     sys.modules["__main__"] = main
     argv = request["argv"]
     if argv[0] == "-c":
-        sys.argv = ["-c", *argv[2:]]
-        sys.path[:] = ["", *_pythonpath(), *base]
+        sys.argv, first = ["-c", *argv[2:]], ""
         code = compile(argv[1], "<string>", "exec")
+        program = lambda: exec(code, main.__dict__)  # noqa: E731
     elif argv[0] == "-m":
         import runpy
 
-        sys.argv = [argv[1], *argv[2:]]
-        sys.path[:] = [os.getcwd(), *_pythonpath(), *base]
-        _run(lambda: runpy._run_module_as_main(argv[1], alter_argv=True))
-        return
+        sys.argv, first = [argv[1], *argv[2:]], os.getcwd()
+        program = lambda: runpy._run_module_as_main(argv[1], alter_argv=True)  # noqa: E731
     else:
         script = os.path.abspath(argv[0])
-        sys.argv = list(argv)
-        sys.path[:] = [os.path.dirname(script), *_pythonpath(), *base]
-        main.__file__ = script
-        main.__cached__ = None
+        sys.argv, first = list(argv), os.path.dirname(script)
+        main.__file__, main.__cached__ = script, None
         with open(script, "rb") as f:
             code = compile(f.read(), script, "exec")
-    _run(lambda: exec(code, main.__dict__))
+        program = lambda: exec(code, main.__dict__)  # noqa: E731
+    sys.path[:] = [first, *_pythonpath(), *base]
+    _run(program)
 
 
 def _run(program) -> None:
