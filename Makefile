@@ -26,6 +26,12 @@ export CCACHE_DIR ?= $(CACHE)/ccache
 # Inductor's compiled kernels (torch.compile in the report and the tests), kept like ccache's objects:
 # a hit is the same kernel (keyed by the graph, Inductor's config and torch's version).
 export TORCHINDUCTOR_CACHE_DIR ?= $(CACHE)/inductor
+# Python's bytecode, for this clone's processes, in target/pycache (not beside the sources):
+# written even where the environment says PYTHONDONTWRITEBYTECODE, which would have every test
+# process compile each module it imports from source (pytest's assertion rewriting too: 27 s of a
+# worker's collection, 13 s with the bytecode kept).
+export PYTHONPYCACHEPREFIX ?= $(abspath target/pycache)
+unexport PYTHONDONTWRITEBYTECODE
 REPORT_ARGS ?=
 # The builds that write the extension's release artifact (maturin develop, maturin build, and
 # the source install in scripts/test_install.sh) take turns: cargo locks the target dir while it
