@@ -128,6 +128,29 @@ def test_interleaved_rounds_records_seed_orders_and_every_raw_time():
     assert variant_ms(r.raw_ms, v) == pytest.approx([1.5] * 6)
 
 
+def test_a_smoke_runs_samples_are_one_call_each_after_the_timers_own_warm_up():
+    """sample_s 0 (--smoke): no calibration; each sample is Timer.timeit(1), which warms the probe
+    up with two calls of its own, so a probe is called 3 times a round and never more; the times
+    are still each call's."""
+    machine = DriftingMachine(lambda now: 1.0)
+    calls = {"a": 0, "b": 0}
+
+    def probe(name, cost):
+        run = machine.workload(cost)
+
+        def call():
+            calls[name] += 1
+            run()
+
+        return call
+
+    r = timing.interleaved_rounds(
+        {"a": probe("a", 1e-3), "b": probe("b", 2e-3)}, rounds=5, seed=3, sample_s=0.0, clock=machine.clock
+    )
+    assert r.numbers == {"a": 1, "b": 1} and calls == {"a": 15, "b": 15}
+    assert r.raw_ms["a"] == pytest.approx([1.0] * 5) and r.raw_ms["b"] == pytest.approx([2.0] * 5)
+
+
 def test_a_noisy_stretch_buys_more_rounds_up_to_the_cap():
     """The report's stop rule: rounds go on while a paired ratio's IQR is wide."""
     costs = {"eager/op_plus_x": 1e-3, "b": 1.05e-3}

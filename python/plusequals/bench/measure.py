@@ -93,9 +93,10 @@ CROSSING_BUDGETS = [
 # that two runs on a quiet machine agree on each within 2 µs.
 HOST_MIN_ROUNDS = 25
 HOST_EXTRA_S = 20.0
-# --smoke (Plan.smoke): each cell's rounds (the fewest the report's checks accept) and samples.
+# --smoke (Plan.smoke): each cell's rounds (the fewest the report's checks accept), and samples of
+# one call each, uncalibrated (timing.prepare_samples: calibrating took a sixth of the smoke run).
 SMOKE_ROUNDS = 5
-SMOKE_SAMPLE_S = 0.001
+SMOKE_SAMPLE_S = 0.0
 HOST_SETTLED_IQR_US = 1.5
 
 
@@ -127,7 +128,7 @@ class Plan:
     compile_batches: tuple[int, ...] = BATCHES  # the batches whose cells time torch.compile
     audit_cost: bool = True  # the audit's cost on a train step of each model family (audit_cost.py)
     # --smoke: every section as in a real run, each timed with the fewest rounds it accepts and
-    # 1 ms samples, no extra rounds: checks the whole report in a fraction of the time (the
+    # one-call samples, no extra rounds: checks the whole report in a fraction of the time (the
     # tests' report); its numbers are not measurements to read, and REPORT.md says so.
     smoke: bool = False
 

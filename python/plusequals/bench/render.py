@@ -66,7 +66,7 @@ def _header(res: Results) -> list[str]:
         md += [
             "",
             "> **A smoke run** (`--smoke`): every section ran with the fewest rounds and "
-            f"{fmt(cfg['sample_s'] * 1e3)} ms samples, to check the report end to end. Its numbers are not "
+            "samples of one call, to check the report end to end. Its numbers are not "
             "measurements to read; `make report` makes the report.",
         ]
     if not cfg["torch_compile"]:
@@ -110,9 +110,13 @@ def _method(cfg: dict) -> str:
         f"A cell runs {cfg['rounds']} rounds, and more (up to {cfg['max_rounds']}, for at most "
         f"{fmt(cfg['extra_rounds_s'])} s) "
         f"while the IQR of any of its paired ratios to `{cfg['reference']}` exceeds {fmt(cfg['settled_paired_iqr'])}. "
-        "One sample is one torch.utils.benchmark `Timer.timeit(number)`, with `number` set at warm-up so that a "
-        f"sample takes about {fmt(cfg['sample_s'])} s. "
-        "A time is the median over the rounds (IQR over the rounds), in ms per block forward. "
+        "One sample is one torch.utils.benchmark `Timer.timeit(number)`, "
+        + (
+            f"with `number` set at warm-up so that a sample takes about {fmt(cfg['sample_s'])} s. "
+            if cfg["sample_s"] > 0
+            else "with `number` 1 (a smoke run). "
+        )
+        + "A time is the median over the rounds (IQR over the rounds), in ms per block forward. "
         "A ratio is paired: it is computed within each round, then summarised as median [first quartile, third "
         "quartile] over the rounds. "
         f"{NOISE_MARK} marks a ratio whose interquartile interval contains 1: that difference is within the "

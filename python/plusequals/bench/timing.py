@@ -153,9 +153,11 @@ def prepare_samples(
     probes: Probes, sample_s: float, clock: Optional[Clock] = None
 ) -> tuple[dict[str, int], Callable[[str], float]]:
     """Warms every probe up once, calibrating its calls per sample. Returns (calls per sample,
-    ``sample(name)``: one ``Timer.timeit(number)`` of that probe, in ms per call)."""
+    ``sample(name)``: one ``Timer.timeit(number)`` of that probe, in ms per call). ``sample_s``
+    0: one call per sample, uncalibrated (a smoke run, whose numbers are not read: Timer.timeit's
+    own warm-up is the probe's)."""
     timers = {name: make_timer(fn, clock) for name, fn in probes.items()}
-    numbers = {name: calibrate(t, sample_s) for name, t in timers.items()}
+    numbers = {name: calibrate(t, sample_s) if sample_s > 0 else 1 for name, t in timers.items()}
     return numbers, lambda name: timers[name].timeit(numbers[name]).median * 1e3
 
 
