@@ -5,8 +5,12 @@ stand-in for ``sys.monitoring`` checks what the recorder asks of it."""
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import sys
 import types
+
+import torch
 
 from plusequals.twin import record
 
@@ -97,3 +101,57 @@ def test_the_recorder_adds_every_call_to_one_run():
     assert a.__code__ in codes and b.__code__ in codes and recorder.ran is not first
     recorder.ops = "trace"
     assert recorder.ran.ops == "trace"
+
+
+def test_a_python_profiler_already_set_sees_every_event_and_is_put_back(monkeypatch):
+    monkeypatch.delattr(sys, "monitoring", raising=False)
+    events, frames = [], []
+
+    def theirs(frame, event, arg):
+        events.append((frame.f_code.co_name, event))
+
+    def inner():
+        return 1
+
+    sys.setprofile(theirs)
+    try:
+        stop = record._start(frames.append)
+        inner()
+        stop()
+        assert sys.getprofile() is theirs
+    finally:
+        sys.setprofile(None)
+    assert ("inner", "call") in events and ("inner", "return") in events
+    assert any(f.f_code is inner.__code__ for f in frames)
+
+
+def test_under_cprofile_the_twin_is_made_unrecorded_and_cprofile_keeps_profiling(monkeypatch):
+    """3.11's path under cProfile (a profiler in C: Python cannot call what ``sys.getprofile()``
+    gives): nothing is recorded, and the profiler is left as it was, profiling, through
+    ``from_torch`` (which used to fail its probe with "'Profile' object is not callable")."""
+    from plusequals import RustBlock
+    from plusequals.model.blocks import BasicTransformerBlock
+
+    monkeypatch.delattr(sys, "monitoring", raising=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        block = BasicTransformerBlock(32, 4, 8, context_dim=24)
+        x, c = torch.randn(2, 5, 32), torch.randn(2, 3, 24)
+
+    def after():
+        return 2
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        assert record._start(lambda frame: None) is None
+        held = sys.getprofile()
+        twin = RustBlock.from_torch(block)
+        assert sys.getprofile() is held
+        after()
+    finally:
+        profiler.disable()
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x, c), block(x, c), rtol=1e-5, atol=1e-6)
+    names = {fn for (_, _, fn) in pstats.Stats(profiler).stats}
+    assert {"after", "from_torch"} <= names

@@ -291,10 +291,14 @@ def _receiver(frame: types.FrameType) -> Optional[type]:
     return cls if _mutable(cls) and not issubclass(cls, types.ModuleType) else None
 
 
-def _profile(started) -> Callable[[], None]:
-    """3.11: ``sys.setprofile`` for this thread, chained to a profiler already set; returns the
-    function that puts the previous one back."""
+def _profile(started) -> Optional[Callable[[], None]]:
+    """3.11: ``sys.setprofile`` for this thread, chained to a Python profiler already set; returns
+    the function that puts the previous one back. None where a profiler written in C is set
+    (cProfile's: ``sys.getprofile()`` gives its object, which Python cannot call): it is left
+    alone, profiling, and nothing is recorded."""
     previous = sys.getprofile()
+    if previous is not None and not callable(previous):
+        return None
 
     def profile(frame, event, arg):
         if event == "call":
