@@ -457,6 +457,22 @@ def test_every_number_outside_the_tables_is_in_results_json(quick_report):
     assert not stray, f"numbers in REPORT.md not in results.json: {sorted(set(stray))[:20]}"
 
 
+def test_the_seed_verdicts_compiled_step_ratio_is_the_one_results_json_holds(quick_report):
+    """A per-step ratio the prose computes (compile/iadd / compile/op_plus_x, weighted over one
+    step's blocks) is stored too: the check above passed only where it happened to equal another
+    stored number."""
+    data = json.loads((quick_report / "results.json").read_text())
+    (stored,) = [
+        r
+        for r in data["step_ratios"]
+        if (r["batch"], r["variant"], r["vs"]) == (2, "compile/iadd", "compile/op_plus_x")
+    ]
+    assert (
+        f"`compile/iadd` / `compile/op_plus_x` per step: {fmt(stored['ratio'])}."
+        in (quick_report / "REPORT.md").read_text()
+    )
+
+
 def test_the_report_says_what_each_time_includes_and_how_noisy_the_machine_was(quick_report):
     md = (quick_report / "REPORT.md").read_text()
     row = {}  # each variant's first row: the time table of batch 2

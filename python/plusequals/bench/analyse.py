@@ -340,6 +340,12 @@ def summarize(data: dict) -> None:
     data["paired"] = [p.to_json() for p in paired]
     data["drift"] = [d.to_json() for d in drift(results)]
     data["per_step"] = [s.to_json() for s in per_step(results)]
+    data["step_ratios"] = [
+        {"batch": batch, "variant": v, "vs": vs, "ratio": r}
+        for batch in results.batches
+        for v, vs in STEP_PAIRS
+        if (r := step_ratio(results, batch, v, vs)) is not None
+    ]
     data["roofline"] = [f.to_json() for f in roofline(results)]
     if results.host_cost is not None:
         data["host_cost"]["paired"] = [p.to_json() for p in host_cost_pairs(results)]
@@ -532,6 +538,11 @@ def _compiler_verdict(results: Results) -> Optional[Verdict]:
         + inductor,
         f"writes into x's buffer: {in_place}; reuses its own buffers: {reuse} ({cv['shape']})",
     )
+
+
+# The per-step ratios the verdicts quote besides those to the reference (Step.vs_reference):
+# stored in results.json's step_ratios, as every number of REPORT.md is.
+STEP_PAIRS = (("compile/iadd", "compile/op_plus_x"),)
 
 
 def step_ratio(results: Results, batch: int, v: str, vs: str) -> Optional[float]:
