@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument(
         "--smoke",
         action="store_true",
-        help="every section with the fewest rounds and 1 ms samples: checks that the report runs "
+        help="every section with the fewest rounds and one-call samples: checks that the report runs "
         "end to end (the tests use it); its numbers are not measurements",
     )
     report.add_argument("--out", default="report", help="output directory (default: ./report)")
