@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import sys
 
 import numpy as np
 import pytest
@@ -176,6 +177,56 @@ def test_a_write_through_an_exported_view_is_judged_as_an_aten_write_at_its_line
         assert "view" in f.op or "capsule" in f.op
         if f.code == "E0382":
             assert f.read_at == lines["read" if read_after else "after"], (source, f)
+
+
+def _lines_seen(filename: str, run) -> tuple:
+    """``run()`` under a Python line tracer (as coverage's or a debugger's), which follows the
+    frames of ``filename``: the (function, line) pairs it saw, and what ``run`` returned."""
+    seen = set()
+
+    def local(frame, event, arg):
+        if event == "line":
+            seen.add((frame.f_code.co_name, frame.f_lineno))
+        return local
+
+    def starts(frame, event, arg):
+        return local if frame.f_code.co_filename == filename else None
+
+    previous = sys.gettrace()
+    sys.settrace(starts)
+    try:
+        out = run()
+    finally:
+        sys.settrace(previous)
+    return seen, out
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(
+    st.sampled_from(sorted(EXPORTS)),
+    st.sampled_from(sorted(WRITES)),
+    st.sampled_from(["argument", "fresh", "inner"]),
+    st.sampled_from(["before", "after", "never"]),
+    st.booleans(),
+    st.booleans(),
+)
+def test_a_line_tracer_sees_every_line_under_the_audit_and_the_findings_stay(
+    export, write, holder, saved, grad, read_after
+):
+    """A line tracer already following the program (coverage under ``pytest --cov``, a debugger)
+    sees the same lines audited as plain, though the audit traces the same frames (a moved name's
+    frame, an exported view's lines; 3.11: their ``f_trace``); the audit's findings are those it
+    finds without the tracer. The audit gave a moved name's frame back untraced, and its two
+    tracers once each took the other for the frame's earlier one (a RecursionError)."""
+    source = program(export, WRITES[write], holder, saved, True, read_after)
+    namespace, lines = _compile(source)
+    filename = lines["write"].rsplit(":", 1)[0]
+    plain_lines, _ = _lines_seen(filename, lambda: _run(namespace, True, grad, audited=False))
+    audited_lines, (out, _, _, report) = _lines_seen(filename, lambda: _run(namespace, True, grad, audited=True))
+    *_, alone = _run(namespace, True, grad, audited=True)
+    assert report.error is None and report.backward_error is None, (source, report.error)
+    assert audited_lines == plain_lines, (source, sorted(plain_lines - audited_lines))
+    assert [(f.code, f.where) for f in report.findings] == [(f.code, f.where) for f in alone.findings], source
 
 
 @settings(max_examples=examples(40), deadline=None)

@@ -21,7 +21,7 @@ import sys
 import threading
 import weakref
 from types import FrameType
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.utils.dlpack
@@ -91,6 +91,9 @@ class Lines:
     def __init__(self, on_line: Callable[[FrameType], None], on_return: Callable[[FrameType], None]) -> None:
         self.on_line, self.on_return = on_line, on_return
         self.frames: Dict[FrameType, Any] = {}  # frame -> the f_trace it had (called first)
+        # the frames whose event that f_trace is being given: one that calls back into this one
+        # (the move tracer, which took this one as the frame's earlier tracer) is not given it again
+        self._passing: Set[FrameType] = set()
         self._installed = False
         self._tool: Optional[int] = None
         self._codes: Dict[Any, int] = {}
@@ -151,10 +154,16 @@ class Lines:
     def _trace(self, frame: FrameType, event: str, arg: Any) -> Any:
         if frame not in self.frames:
             return None
+        if frame in self._passing:  # called back by the tracer this one is giving the event to
+            return self._trace
         previous = self.frames[frame]
         if previous is not None:  # the tracer that followed the frame first: as if alone
-            again = previous(frame, event, arg)
-            if again is not None:
+            self._passing.add(frame)
+            try:
+                again = previous(frame, event, arg)
+            finally:
+                self._passing.discard(frame)
+            if again is not None and frame in self.frames:
                 self.frames[frame] = again
         if event == "line":
             self.on_line(frame)

@@ -305,6 +305,12 @@ class MoveTracer:
         self._inner: Dict[CodeType, int] = {}  # inner code -> how many watched frames' cells it reads
         self._inner_of: Dict[FrameType, Set[CodeType]] = {}
         self._previous: Any = None
+        # 3.11: the local trace function another tracer (coverage's, a debugger's, the export
+        # watch's) had on a frame the audit traces: it still gets every event but the opcodes, and
+        # has the frame back after. _passing: the frames whose event it is being given (a tracer
+        # that calls back into this one, as exports.Lines does, is not given it again)
+        self._theirs: Dict[FrameType, Any] = {}
+        self._passing: Set[FrameType] = set()
         self._tool: Optional[int] = None
         self._started = False  # 3.12+: the tool id is ours
         self._tracing = False  # 3.11: sys.settrace is ours
@@ -359,8 +365,11 @@ class MoveTracer:
         if _MONITORING is not None:
             self._use(frame.f_code)
             return
+        theirs = frame.f_trace
+        if theirs is not None and theirs != self._opcode:
+            self._theirs[frame] = theirs
         frame.f_trace = self._opcode
-        frame.f_trace_lines = False
+        frame.f_trace_lines = frame in self._theirs  # line events only for the tracer that wants them
         frame.f_trace_opcodes = True
         if now:
             self.arm()
@@ -377,10 +386,16 @@ class MoveTracer:
         if _MONITORING is not None:
             self._unuse(frame.f_code)
             return
-        frame.f_trace_opcodes = False
-        frame.f_trace = None
+        frame.f_trace = self._release(frame)
         if not self._moved:
             self._untrace()
+
+    def _release(self, frame: FrameType) -> Any:
+        """3.11: ``frame`` is no longer traced by the audit; returns its tracer from now on (the
+        one it had before the audit's, or None)."""
+        frame.f_trace_opcodes = False
+        frame.f_trace_lines = True
+        return self._theirs.pop(frame, None)
 
     def _untrace(self) -> None:
         if self._tracing:
@@ -399,19 +414,47 @@ class MoveTracer:
 
     def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
         # new frames are not traced by the audit but those of an inner code object that reads a
-        # watched cell; a tracer that was there before still is
+        # watched cell; a tracer that was there before still is, in those too
+        theirs = self._previous(frame, event, arg) if self._previous is not None else None
         if frame.f_code in self._inner:
-            frame.f_trace_lines = False
+            if theirs is not None:
+                self._theirs[frame] = theirs
+            frame.f_trace_lines = theirs is not None
             frame.f_trace_opcodes = True
             return self._opcode
-        return self._previous(frame, event, arg) if self._previous is not None else None
+        return theirs
 
     def _opcode(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if frame in self._passing:  # called back by the tracer this one is giving the event to
+            return self._opcode
         if event == "opcode":
             self._seen(frame, frame.f_lasti)
-        elif event == "return" and frame.f_code.co_code[frame.f_lasti] != _YIELD_VALUE:  # 3.11: a yield too
-            self._unfollow(frame)
-        return self._opcode if frame in self._moved or frame.f_code in self._inner else None
+        else:
+            self._pass(frame, event, arg)
+            if event == "return" and frame.f_code.co_code[frame.f_lasti] != _YIELD_VALUE:  # 3.11: a yield too
+                self._unfollow(frame)
+                if frame.f_code in self._inner:  # an inner frame that returned: not watched any more
+                    return self._release(frame)
+        if frame in self._moved or frame.f_code in self._inner:
+            return self._opcode
+        # no longer traced by the audit: _unfollow gave the frame its tracer back, or (an inner
+        # frame whose code is not watched any more) it gets it now
+        return frame.f_trace if frame.f_trace != self._opcode else self._release(frame)
+
+    def _pass(self, frame: FrameType, event: str, arg: Any) -> None:
+        """Gives the event to the tracer the frame had before the audit's, as without the audit."""
+        theirs = self._theirs.get(frame)
+        if theirs is None:
+            return
+        self._passing.add(frame)
+        try:
+            theirs = theirs(frame, event, arg)
+        finally:
+            self._passing.discard(frame)
+        if theirs is None:
+            self._theirs.pop(frame, None)
+        else:
+            self._theirs[frame] = theirs
 
     def _instruction(self, code: CodeType, offset: int) -> Any:
         self._seen(sys._getframe(1), offset)
@@ -461,6 +504,8 @@ class MoveTracer:
     def stop(self) -> None:
         for frame in list(self._moved):
             self._unfollow(frame)
+        for frame in list(self._theirs):  # inner frames still running: their tracer back
+            frame.f_trace = self._release(frame)
         self._untrace()
         if self._started:
             if self._tool is not None:
