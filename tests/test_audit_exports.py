@@ -140,16 +140,18 @@ def _bitwise(a, b) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-@settings(max_examples=examples(80), deadline=None)
-@given(
-    st.sampled_from(sorted(EXPORTS)),
-    st.sampled_from(sorted(WRITES)),
-    st.sampled_from(["argument", "fresh", "inner"]),
-    st.sampled_from(["before", "after", "never"]),
-    st.booleans(),
-    st.booleans(),
-    st.booleans(),
+# The generated programs (``program``): what is exported, how it is written, which tensor, when
+# autograd saves it.
+PROGRAMS = dict(
+    export=st.sampled_from(sorted(EXPORTS)),
+    write=st.sampled_from(sorted(WRITES)),
+    holder=st.sampled_from(["argument", "fresh", "inner"]),
+    saved=st.sampled_from(["before", "after", "never"]),
 )
+
+
+@settings(max_examples=examples(80), deadline=None)
+@given(**PROGRAMS, module=st.booleans(), grad=st.booleans(), read_after=st.booleans())
 def test_a_write_through_an_exported_view_is_judged_as_an_aten_write_at_its_line(
     export, write, holder, saved, module, grad, read_after
 ):
@@ -202,14 +204,7 @@ def _lines_seen(filename: str, run) -> tuple:
 
 
 @settings(max_examples=examples(40), deadline=None)
-@given(
-    st.sampled_from(sorted(EXPORTS)),
-    st.sampled_from(sorted(WRITES)),
-    st.sampled_from(["argument", "fresh", "inner"]),
-    st.sampled_from(["before", "after", "never"]),
-    st.booleans(),
-    st.booleans(),
-)
+@given(**PROGRAMS, grad=st.booleans(), read_after=st.booleans())
 def test_a_line_tracer_sees_every_line_under_the_audit_and_the_findings_stay(
     export, write, holder, saved, grad, read_after
 ):
