@@ -33,14 +33,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .results import AuditCost, AuditFamily, AuditRow
-from .timing import interleaved_rounds, intra_op_threads, paired_ratios, spread
+from .timing import SMOKE_ROUNDS, interleaved_rounds, intra_op_threads, paired_ratios, spread
 from .unet import step_row
 
 BATCH, SIZE, CLASSES, TOKENS = 2, 64, 10, 32
 THREADS = 1
 TARGET = 1.25  # the report's: the audit within 1.25x of an eager train step, as anomaly mode
 ROUNDS = 15
-SMOKE_ROUNDS = 5  # --smoke: the fewest rounds, as the cells' (its numbers are not read)
 SETTLED_IQR = 0.1  # more rounds (up to 3x, for at most EXTRA_S) while a paired ratio's IQR is wider
 EXTRA_S = 5.0
 EAGER, ANOMALY, AUDITED, BARE = (

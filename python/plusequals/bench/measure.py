@@ -93,10 +93,6 @@ CROSSING_BUDGETS = [
 # that two runs on a quiet machine agree on each within 2 µs.
 HOST_MIN_ROUNDS = 25
 HOST_EXTRA_S = 20.0
-# --smoke (Plan.smoke): each cell's rounds (the fewest the report's checks accept), and samples of
-# one call each, uncalibrated (timing.prepare_samples: calibrating took a sixth of the smoke run).
-SMOKE_ROUNDS = 5
-SMOKE_SAMPLE_S = 0.0
 HOST_SETTLED_IQR_US = 1.5
 
 
@@ -145,7 +141,7 @@ def plan(
     """The run's settings for ``device`` at the quick or the SD v1 shapes; ``compile`` and
     ``compilers_flag``: measure torch.compile, and JAX / ONNX Runtime where installed;
     ``audit_cost_flag``: the audit's cost cell; ``smoke``: the fewest rounds (``Plan.smoke``)."""
-    rounds = SMOKE_ROUNDS if smoke else (11 if device == "cuda" else (9 if quick else 7))
+    rounds = timing.SMOKE_ROUNDS if smoke else (11 if device == "cuda" else (9 if quick else 7))
     with_compile = compile
     skipped = "--no-compile"
     return Plan(
@@ -157,7 +153,7 @@ def plan(
         rounds=rounds,
         max_rounds=rounds if smoke else 3 * rounds,
         extra_s=0.0 if smoke else (6.0 if quick else 60.0),  # quick: the CPU report stays inside 2 minutes
-        sample_s=SMOKE_SAMPLE_S if smoke else (0.01 if (quick or device == "cuda") else 0.05),
+        sample_s=timing.SMOKE_SAMPLE_S if smoke else (0.01 if (quick or device == "cuda") else 0.05),
         loop_n=5 if quick else 50,
         torch_compile=with_compile,
         compile_skipped=None if with_compile else skipped,
@@ -172,10 +168,11 @@ def plan(
 
 
 def host_rounds(p: Plan) -> tuple[int, int, float]:
-    """The host-cost cell's (rounds, max_rounds, extra_s): more than a cell's (HOST_MIN_ROUNDS)."""
-    rounds = max(p.rounds, HOST_MIN_ROUNDS)
+    """The host-cost cell's (rounds, max_rounds, extra_s): more than a cell's (HOST_MIN_ROUNDS),
+    but a smoke run's (its numbers are not read)."""
     if p.smoke:
-        return rounds, rounds, 0.0
+        return p.rounds, p.rounds, 0.0
+    rounds = max(p.rounds, HOST_MIN_ROUNDS)
     return rounds, 3 * rounds, max(p.extra_s, HOST_EXTRA_S)
 
 

@@ -110,11 +110,11 @@ def _method(cfg: dict) -> str:
         f"A cell runs {cfg['rounds']} rounds, and more (up to {cfg['max_rounds']}, for at most "
         f"{fmt(cfg['extra_rounds_s'])} s) "
         f"while the IQR of any of its paired ratios to `{cfg['reference']}` exceeds {fmt(cfg['settled_paired_iqr'])}. "
-        "One sample is one torch.utils.benchmark `Timer.timeit(number)`, "
         + (
+            "One sample is one torch.utils.benchmark `Timer.timeit(number)`, "
             f"with `number` set at warm-up so that a sample takes about {fmt(cfg['sample_s'])} s. "
             if cfg["sample_s"] > 0
-            else "with `number` 1 (a smoke run). "
+            else "One sample is one call, after one warm-up call (a smoke run). "
         )
         + "A time is the median over the rounds (IQR over the rounds), in ms per block forward. "
         "A ratio is paired: it is computed within each round, then summarised as median [first quartile, third "

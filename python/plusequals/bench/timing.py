@@ -18,6 +18,7 @@ import math
 import random
 import statistics
 import time
+import timeit as stdlib_timeit
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
@@ -130,6 +131,12 @@ def spread(xs: Sequence[float]) -> Spread:
 
 
 # ----------------------------------------------------------------------------- samples
+# A smoke run (the report's --smoke, the tests' report): every probe timed in the fewest rounds
+# that still give a median and quartiles, in samples of one call (``prepare_samples``).
+SMOKE_ROUNDS = 3
+SMOKE_SAMPLE_S = 0.0
+
+
 def make_timer(fn: Callable[[], object], clock: Optional[Clock] = None) -> benchmark.Timer:
     """torch.utils.benchmark's Timer on ``fn()``; its default clock synchronises CUDA, ``clock``
     replaces it (a fake clock in the tests)."""
@@ -153,11 +160,19 @@ def prepare_samples(
     probes: Probes, sample_s: float, clock: Optional[Clock] = None
 ) -> tuple[dict[str, int], Callable[[str], float]]:
     """Warms every probe up once, calibrating its calls per sample. Returns (calls per sample,
-    ``sample(name)``: one ``Timer.timeit(number)`` of that probe, in ms per call). ``sample_s``
-    0: one call per sample, uncalibrated (a smoke run, whose numbers are not read: Timer.timeit's
-    own warm-up is the probe's)."""
+    ``sample(name)``: one ``Timer.timeit(number)`` of that probe, in ms per call).
+
+    ``sample_s`` 0 (``SMOKE_SAMPLE_S``, a smoke run, whose numbers are not read): no calibration;
+    one warm-up call per probe here, then samples of one call each, on the standard library's
+    Timer with torch's clock (``benchmark.timer``: CUDA synchronised): torch's Timer.timeit warms
+    its statement up with two calls before each sample, two thirds of a smoke run's calls."""
+    if sample_s <= 0:
+        for fn in probes.values():
+            fn()
+        once = {name: stdlib_timeit.Timer(fn, timer=clock or benchmark.timer) for name, fn in probes.items()}
+        return dict.fromkeys(probes, 1), lambda name: once[name].timeit(1) * 1e3
     timers = {name: make_timer(fn, clock) for name, fn in probes.items()}
-    numbers = {name: calibrate(t, sample_s) if sample_s > 0 else 1 for name, t in timers.items()}
+    numbers = {name: calibrate(t, sample_s) for name, t in timers.items()}
     return numbers, lambda name: timers[name].timeit(numbers[name]).median * 1e3
 
 
