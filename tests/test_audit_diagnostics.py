@@ -24,6 +24,7 @@ from torch import nn
 import plusequals
 from plusequals.auditing import Finding, audit
 from plusequals.auditing.diagnostics import build, render
+from support.mypy import mypy_cache
 
 _COUNTER = itertools.count()
 
@@ -170,7 +171,7 @@ def test_mypy_accepts_the_readmes_call(tmp_path):
     (tmp_path / "mypy.ini").write_text(f"[mypy]\nfollow_imports = silent\n[mypy-{skipped}]\nfollow_imports = skip\n")
     env = {**os.environ, "MYPYPATH": str(Path(plusequals.__file__).parents[1])}
     proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--cache-dir", str(tmp_path / "cache"), "use.py"],
+        [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--cache-dir", str(mypy_cache("readme")), "use.py"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
