@@ -61,6 +61,11 @@ def pytest_configure(config):
     test_compiled_bugs.py alone took 70 s of CPU with the pool, 35 s without. Neither changes a
     kernel: the cache is keyed by the graph, Inductor's config and torch's version.
 
+    JAX's compiled executables, kept the same way (CACHE/jax): every compile, however short (by
+    default JAX keeps only those that took a second or more, and the tests' are all shorter), so
+    test_jax.py takes 20 s of CPU instead of 43. JAX keys an entry by the computation, the compile
+    options, the device and jaxlib's version: a hit is the same executable.
+
     OpenMP's threads wait for each other asleep (OMP_WAIT_POLICY=PASSIVE), read by libgomp when
     libtorch loads: in the workers and children, not in this process. By default they spin first,
     and a test that runs two intra-op threads on a core the other worker holds (test_threads.py,
@@ -71,6 +76,9 @@ def pytest_configure(config):
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(build_cache() / "inductor"))
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(build_cache() / "jax"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     import torch._dynamo  # noqa: F401
     import torch._inductor.config
 
