@@ -1109,9 +1109,10 @@ def test_fuzz_bad_inputs(entry):
 
 
 LEAK_WINDOW = 2000  # calls per measurement window; two windows per kind, 4000 calls
-# from_torch reads the module's code and probes it (about 15 ms a call, 30 times a forward's): two
-# windows of 500 after 1000 calls of warm-up, which its caches need to settle (its heap grows in
-# the first 900 calls, then by 0 bytes a call). Its threshold per call is the same.
+# from_torch reads the module's code (or takes the reading it kept) and probes it (about 13 ms a
+# call, 80 times a forward's): two windows of 500 after 1000 calls of warm-up, which its caches
+# need to settle (its heap grows in the first 500 calls, then by about 0 bytes a call). Its
+# threshold per call is the same.
 LEAK_CALLS = {"from_torch": (1000, 500)}  # kind: (warm-up calls, calls per window); the rest (500, LEAK_WINDOW)
 LEAK_BYTES_PER_CALL = 4  # the threshold: a kind leaks if the heap grows this much per call in every window
 LEAK_BLOCKS_PER_CALL = 0.1  # the same for Python objects (sys.getallocatedblocks)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import make_block
+from conftest import make_block, rel_err
 from plusequals import RustBlock, _rust
 from plusequals.twin.forward_code import function_state
 
@@ -223,3 +223,75 @@ def test_functions_changed_in_place_agree_with_the_oracle(direct, steps):
         if undo and restore is not None:
             restore()
             assert rust.unchanged() == oracle(), (op, "after the undo")
+
+
+def _block_of_a_class_of_its_own(n: int):
+    """``n`` blocks of a new subclass of the block: no reading of its MRO was made before."""
+    cls = type("OwnBlock", (type(make_block(32, 2, 16, context_dim=24)),), {})
+    blocks = [make_block(32, 2, 16, context_dim=24, seed=i) for i in range(n)]
+    for b in blocks:
+        b.__class__ = cls
+    return cls, blocks
+
+
+def test_a_reading_of_the_same_classes_is_taken_from_the_last_while_it_holds(monkeypatch):
+    """``Watch.code_of`` keeps its reading of the forward's code by the MROs it started from: a
+    second block of the class reads no code; a method added to the class (a change the kept
+    reading's watch sees) reads it again; and no more than ``_CODE_READS_KEPT`` are kept."""
+    from plusequals.twin import watch
+
+    reads = []
+    read_code = watch.read_code
+    monkeypatch.setattr(watch, "read_code", lambda *a, **kw: reads.append(1) or read_code(*a, **kw))
+    cls, (first, second) = _block_of_a_class_of_its_own(2)
+    RustBlock.from_torch(first, trust="probe")
+    once = len(reads)
+    assert once >= 1
+    RustBlock.from_torch(second, trust="probe")
+    assert len(reads) == once, "the same classes, nothing changed: read again"
+    cls.helper = lambda self: None
+    RustBlock.from_torch(second, trust="probe")
+    assert len(reads) > once, "a method added to the class: the kept reading was used"
+    monkeypatch.setattr(watch, "_CODE_READS_KEPT", 2)
+    for _ in range(3):
+        RustBlock.from_torch(_block_of_a_class_of_its_own(1)[1][0], trust="probe")
+    assert len(watch._CODE_READS) <= 2
+    assert not any(cls in key[0] for key in watch._CODE_READS)
+
+
+def test_readings_kept_are_shared_by_threads_making_twins_at_once():
+    """Four threads making twins of blocks of one class at once, while a fifth adds and removes a
+    method of it: every twin computes its block's output (the kept reading is taken out while in
+    use, so no two threads share one), and nothing raises."""
+    import threading
+
+    import torch
+
+    cls, blocks = _block_of_a_class_of_its_own(4)
+    x, c = torch.randn(1, 4, 32), torch.randn(1, 3, 24)
+    failures, stop = [], threading.Event()
+
+    def make(block):
+        try:
+            for _ in range(5):
+                twin = RustBlock.from_torch(block, trust="probe")
+                with torch.no_grad():
+                    assert rel_err(twin(x, c), block(x, c)) <= 1e-5
+        except BaseException as e:  # noqa: BLE001 - reported by the test's thread
+            failures.append(e)
+
+    def churn():
+        while not stop.is_set():
+            cls.helper = lambda self: None
+            del cls.helper
+
+    churner = threading.Thread(target=churn)
+    churner.start()
+    threads = [threading.Thread(target=make, args=(b,)) for b in blocks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    churner.join()
+    assert failures == []

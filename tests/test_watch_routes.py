@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import rel_err
-from plusequals import CppBlock, RustBlock, UnsupportedBlockError
+from plusequals import CppBlock, RustBlock, UnsupportedBlockError, swap_transformer_blocks
 from support.sites import SCALE, TOL, Site, generated_sequences, run_sequence
 from support.sites import same_or_refused as _same_or_refused
 
@@ -215,6 +215,40 @@ def test_each_route_is_followed_or_refused_and_undone_works_again(site, name):
 @generated_sequences(NAMES)
 def test_generated_changes_are_followed_or_refused_and_undone_work_again(site, steps):
     run_sequence(site, ROUTES, steps)
+
+
+def _made_anew(site: Site) -> None:
+    """The site's Rust side made again from the model as it is now (a refusal keeps the last)."""
+    try:
+        if site.name == "swap":
+            site.handle.undo()
+            site.handle = swap_transformer_blocks(site.torch)
+        else:
+            site.rust = type(site.rust).from_torch(site.block)
+    except UnsupportedBlockError:
+        pass
+
+
+def _after_a_new_twin(route: Callable[[Site], Callable[[], None]]) -> Callable[[Site], Callable[[], None]]:
+    def apply(site: Site) -> Callable[[], None]:
+        _made_anew(site)
+        undo = route(site)
+
+        def undo_after_a_new_twin() -> None:
+            _made_anew(site)
+            undo()
+
+        return undo_after_a_new_twin
+
+    return apply
+
+
+@generated_sequences(NAMES)
+def test_a_twin_made_again_before_each_change_follows_it(site, steps):
+    """``from_torch`` (or the swap) again before each change and each undo: a new twin's reading of
+    the code is taken from the last one's while that one's watch holds (``Watch.code_of``), and
+    must follow or refuse the next change as a first reading does."""
+    run_sequence(site, {name: _after_a_new_twin(route) for name, route in ROUTES.items()}, steps)
 
 
 # ------------------------------------- what the code's objects hold: a class, a partial's keywords

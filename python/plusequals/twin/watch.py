@@ -9,6 +9,7 @@ Rust (``plusequals._rust.Watch``), which every call of a ``RustBlock`` compares 
 from __future__ import annotations
 
 import functools
+import threading
 import types
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
@@ -23,6 +24,13 @@ from .record import Ran
 _IMMUTABLE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: no instance's __class__ can be reassigned to or from it
 
 __all__ = ["Exact", "Noted", "Sized", "Watch", "class_name", "global_hook_kinds"]
+
+# Watch.code_of's readings of the forward's code, by the MROs they started from (the most recently
+# used last), each a Watch of what it noted alone; at most _CODE_READS_KEPT (a class made anew
+# for each block would otherwise keep every reading).
+_CODE_READS: Dict[tuple, "Watch"] = {}
+_CODE_READS_KEPT = 64
+_CODE_READS_LOCK = threading.Lock()
 
 
 def class_name(obj: Any) -> str:
@@ -216,12 +224,33 @@ class Watch:
         Python function followed, in place (its code, defaults and closure cells): a name added
         later (a property ``eps`` on ``nn.LayerNorm``, a ``__call__`` on ``nn.Linear``, a global
         that shadows a builtin, a ``torch.Tensor.chunk``) or a function changed in place is a
-        change, which reads the block again and probes the new code."""
+        change, which reads the block again and probes the new code.
+
+        The reading is kept (:data:`_CODE_READS`) by the MROs it started from, with a watch of its
+        own over what it noted: read_code follows only what it notes, so while that watch holds, a
+        new reading of the same MROs would find the same code, and it is taken from there (every
+        block of a UNet, and each ``from_torch`` of one block again, read the same classes)."""
         tensors = {torch.Tensor: None}
         for obj in objs:
             if isinstance(obj, nn.Module):
                 tensors.update((type(p), None) for p in obj._parameters.values() if isinstance(p, torch.Tensor))
-        reads = read_code(objs, classes=list(tensors))
+        key = tuple(type(o).__mro__ for o in objs) + tuple(c.__mro__ for c in tensors)
+        with _CODE_READS_LOCK:  # taken out while in use: another thread reads for itself
+            read = _CODE_READS.pop(key, None)
+        if read is None or not read.unchanged():
+            read = Watch()
+            read._read_code(objs, list(tensors))
+            read.seal()
+        with _CODE_READS_LOCK:
+            _CODE_READS[key] = read  # the most recent last
+            while len(_CODE_READS) > _CODE_READS_KEPT:
+                del _CODE_READS[next(iter(_CODE_READS))]
+        self.code, self.code_sizes, self.functions = list(read.code), list(read.code_sizes), list(read.functions)
+        for e in read.classes:
+            self.exact(e.obj)
+
+    def _read_code(self, objs: List[Any], classes: List[type]) -> None:
+        reads = read_code(objs, classes=classes)
         self.code = reads.notes
         self.code_sizes = [(d, len(d)) for d in reads.sized]
         self.functions = reads.functions
