@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from conftest import make_block, rel_err
 from plusequals import RustBlock, _rust
+from plusequals.model.blocks import BasicTransformerBlock
 from plusequals.twin.forward_code import function_state
 
 TAGS = (3, 11) <= sys.version_info[:2] < (3, 14)
@@ -227,7 +228,7 @@ def test_functions_changed_in_place_agree_with_the_oracle(direct, steps):
 
 def _block_of_a_class_of_its_own(n: int):
     """``n`` blocks of a new subclass of the block: no reading of its MRO was made before."""
-    cls = type("OwnBlock", (type(make_block(32, 2, 16, context_dim=24)),), {})
+    cls = type("OwnBlock", (BasicTransformerBlock,), {})
     blocks = [make_block(32, 2, 16, context_dim=24, seed=i) for i in range(n)]
     for b in blocks:
         b.__class__ = cls
