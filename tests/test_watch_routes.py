@@ -75,7 +75,9 @@ def site(request):
     F.gelu, other = _wrapper()
     F.gelu.other_code = other
     try:
-        yield Site(request.param)
+        site = Site(request.param)
+        site.gelu = F.gelu  # the wrapper the routes change, whatever F.gelu is set to later
+        yield site
     finally:
         F.gelu = original
 
@@ -165,10 +167,10 @@ def _hook_added(site: Site) -> Callable[[], None]:
 ROUTES: Dict[str, Callable[[Site], Callable[[], None]]] = {
     # 1. a function changed in place
     "nn.LayerNorm.forward's __code__ replaced": lambda site: _code(nn.LayerNorm.forward, _layer_norm_scaled.__code__),
-    "F.gelu's __code__ replaced": lambda site: _code(F.gelu, F.gelu.other_code.__code__),
-    "F.gelu's __defaults__ set": lambda site: _set(F.gelu, "__defaults__", ("tanh",)),
-    "F.gelu's __kwdefaults__ set": lambda site: _set(F.gelu, "__kwdefaults__", {"scale": SCALE}),
-    "F.gelu's closure cell set": lambda site: _cell(F.gelu, "factor", SCALE),
+    "F.gelu's __code__ replaced": lambda site: _code(site.gelu, site.gelu.other_code.__code__),
+    "F.gelu's __defaults__ set": lambda site: _set(site.gelu, "__defaults__", ("tanh",)),
+    "F.gelu's __kwdefaults__ set": lambda site: _set(site.gelu, "__kwdefaults__", {"scale": SCALE}),
+    "F.gelu's closure cell set": lambda site: _cell(site.gelu, "factor", SCALE),
     # 2. torch.Tensor's methods
     "torch.Tensor.chunk set": lambda site: _added(torch.Tensor, "chunk", _chunk_scaled),
     "torch.Tensor.__add__ set": lambda site: _added(torch.Tensor, "__add__", _add_scaled),
