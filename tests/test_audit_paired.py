@@ -7,9 +7,12 @@ does not gives none.
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
-from plusequals.cases.paired import paired
+from conftest import examples
+from plusequals.cases.paired import differences, paired
 
 
 def _audited() -> bool:
@@ -70,3 +73,36 @@ def test_each_difference_is_named_with_its_phase():
     assert "train: input 0" in paired(_build(Sees, "input")).differences
     (ops,) = {d for d in paired(_build(Sees, "ops")).differences if d.startswith("train")}
     assert ops == "train: op counts of aten.mul.Tensor"
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(
+    dtype=st.sampled_from(
+        [
+            torch.float32,
+            torch.float16,
+            torch.bfloat16,
+            torch.float64,
+            torch.int8,
+            torch.bool,
+            torch.complex64,
+            torch.complex128,
+        ]
+    ),
+    n=st.integers(1, 9),
+    data=st.data(),
+)
+def test_tensors_are_the_same_only_when_every_bit_is(dtype, n, data):
+    """The comparison reads whole elements as integers of their width: one flipped bit anywhere
+    (a NaN's payload, a zero's sign, a complex number's imaginary part) is a difference."""
+    t = torch.zeros(n, dtype=dtype)
+    raw = t.view(torch.uint8)
+    byte, bit = data.draw(st.integers(0, raw.numel() - 1)), data.draw(st.integers(0, 7))
+    other = t.clone()
+    other.view(torch.uint8)[byte] ^= 1 << bit
+
+    def same(a, b):
+        return differences([("t", a)], [("t", b)]) == []
+
+    assert same(t, t.clone()) and not same(t, other)
+    assert not same(t, torch.zeros(n, dtype=torch.uint8)) and not same(t, t[:0])  # another dtype or shape
