@@ -181,14 +181,17 @@ def test_a_write_through_an_exported_view_is_judged_as_an_aten_write_at_its_line
             assert f.read_at == lines["read" if read_after else "after"], (source, f)
 
 
-def _lines_seen(filename: str, run) -> tuple:
+def _lines_seen(filename: str, run, keeps: bool = True) -> tuple:
     """``run()`` under a Python line tracer (as coverage's or a debugger's), which follows the
-    frames of ``filename``: the (function, line) pairs it saw, and what ``run`` returned."""
+    frames of ``filename``: the (function, line) pairs it saw, and what ``run`` returned.
+    ``keeps=False``: its local trace function returns None after a line (CPython keeps a frame's
+    ``f_trace`` then: only what it returns otherwise replaces it)."""
     seen = set()
 
     def local(frame, event, arg):
         if event == "line":
             seen.add((frame.f_code.co_name, frame.f_lineno))
+            return local if keeps else None
         return local
 
     def starts(frame, event, arg):
@@ -204,9 +207,9 @@ def _lines_seen(filename: str, run) -> tuple:
 
 
 @settings(max_examples=examples(40), deadline=None)
-@given(**PROGRAMS, grad=st.booleans(), read_after=st.booleans())
+@given(**PROGRAMS, grad=st.booleans(), read_after=st.booleans(), keeps=st.booleans())
 def test_a_line_tracer_sees_every_line_under_the_audit_and_the_findings_stay(
-    export, write, holder, saved, grad, read_after
+    export, write, holder, saved, grad, read_after, keeps
 ):
     """A line tracer already following the program (coverage under ``pytest --cov``, a debugger)
     sees the same lines audited as plain, though the audit traces the same frames (a moved name's
@@ -216,8 +219,8 @@ def test_a_line_tracer_sees_every_line_under_the_audit_and_the_findings_stay(
     source = program(export, WRITES[write], holder, saved, True, read_after)
     namespace, lines = _compile(source)
     filename = lines["write"].rsplit(":", 1)[0]
-    plain_lines, _ = _lines_seen(filename, lambda: _run(namespace, True, grad, audited=False))
-    audited_lines, (out, _, _, report) = _lines_seen(filename, lambda: _run(namespace, True, grad, audited=True))
+    plain_lines, _ = _lines_seen(filename, lambda: _run(namespace, True, grad, audited=False), keeps)
+    audited_lines, (out, _, _, report) = _lines_seen(filename, lambda: _run(namespace, True, grad, audited=True), keeps)
     *_, alone = _run(namespace, True, grad, audited=True)
     assert report.error is None and report.backward_error is None, (source, report.error)
     assert audited_lines == plain_lines, (source, sorted(plain_lines - audited_lines))

@@ -27,7 +27,7 @@ import torch
 import torch.utils.dlpack
 from torch import Tensor
 
-from .frames import short_path, user_frame
+from .frames import EarlierTracers, short_path, user_frame
 from .memory import Span, span
 
 __all__ = ["Export", "Exports", "Lines"]
@@ -90,10 +90,8 @@ class Lines:
 
     def __init__(self, on_line: Callable[[FrameType], None], on_return: Callable[[FrameType], None]) -> None:
         self.on_line, self.on_return = on_line, on_return
-        self.frames: Dict[FrameType, Any] = {}  # frame -> the f_trace it had (called first)
-        # the frames whose event that f_trace is being given: one that calls back into this one
-        # (the move tracer, which took this one as the frame's earlier tracer) is not given it again
-        self._passing: Set[FrameType] = set()
+        self.frames: Set[FrameType] = set()
+        self._theirs = EarlierTracers()  # 3.11: the f_trace each had (given every event first)
         self._installed = False
         self._tool: Optional[int] = None
         self._codes: Dict[Any, int] = {}
@@ -103,14 +101,15 @@ class Lines:
             return
         if _MONITORING is not None:
             if self._start():
-                self.frames[frame] = None
+                self.frames.add(frame)
                 count = self._codes.get(frame.f_code, 0)
                 self._codes[frame.f_code] = count + 1
                 if count == 0:
                     events = _MONITORING.events.LINE | _MONITORING.events.PY_RETURN
                     _MONITORING.set_local_events(self._tool, frame.f_code, events)
             return
-        self.frames[frame] = frame.f_trace
+        self.frames.add(frame)
+        self._theirs.keep(frame, frame.f_trace)
         frame.f_trace = self._trace
         frame.f_trace_lines = True
         if sys.gettrace() is None:
@@ -120,7 +119,7 @@ class Lines:
     def unfollow(self, frame: FrameType) -> None:
         if frame not in self.frames:
             return
-        previous = self.frames.pop(frame)
+        self.frames.discard(frame)
         if _MONITORING is not None:
             count = self._codes.pop(frame.f_code, 1) - 1
             if count > 0:
@@ -128,6 +127,7 @@ class Lines:
             elif self._tool is not None:
                 _MONITORING.set_local_events(self._tool, frame.f_code, 0)
             return
+        previous = self._theirs.release(frame)
         if frame.f_trace == self._trace:
             frame.f_trace = previous
         self._untrace()
@@ -154,17 +154,9 @@ class Lines:
     def _trace(self, frame: FrameType, event: str, arg: Any) -> Any:
         if frame not in self.frames:
             return None
-        if frame in self._passing:  # called back by the tracer this one is giving the event to
+        if self._theirs.passing(frame):  # called back by the tracer this one is giving the event to
             return self._trace
-        previous = self.frames[frame]
-        if previous is not None:  # the tracer that followed the frame first: as if alone
-            self._passing.add(frame)
-            try:
-                again = previous(frame, event, arg)
-            finally:
-                self._passing.discard(frame)
-            if again is not None and frame in self.frames:
-                self.frames[frame] = again
+        self._theirs.give(frame, event, arg)  # the tracer that followed the frame first: as if alone
         if event == "line":
             self.on_line(frame)
         elif event == "return":

@@ -287,6 +287,48 @@ def closures(code: CodeType, name: str) -> Tuple[CodeType, ...]:
     return found
 
 
+class EarlierTracers:
+    """3.11: the local trace functions that other tracers (a debugger's, coverage's, the audit's
+    other one) had on the frames an audit tracer now follows, each given every event first, as
+    CPython gives it: what it returns replaces it, and None keeps it (only the ``call`` event's
+    None means "do not trace"). While one runs, a call back into the audit tracer for the same frame
+    (the audit's other tracer, which took this one as its earlier) is ``passing``: answered
+    without handing the event on again."""
+
+    def __init__(self) -> None:
+        self._theirs: Dict[FrameType, Any] = {}
+        self._passing: Set[FrameType] = set()
+
+    def keep(self, frame: FrameType, theirs: Any) -> None:
+        if theirs is not None:
+            self._theirs[frame] = theirs
+
+    def __contains__(self, frame: FrameType) -> bool:
+        return frame in self._theirs
+
+    def passing(self, frame: FrameType) -> bool:
+        return frame in self._passing
+
+    def give(self, frame: FrameType, event: str, arg: Any) -> None:
+        theirs = self._theirs.get(frame)
+        if theirs is None:
+            return
+        self._passing.add(frame)
+        try:
+            again = theirs(frame, event, arg)
+        finally:
+            self._passing.discard(frame)
+        if again is not None and frame in self._theirs:
+            self._theirs[frame] = again
+
+    def release(self, frame: FrameType) -> Any:
+        """The frame's tracer from now on (None: it had none), no longer kept here."""
+        return self._theirs.pop(frame, None)
+
+    def frames(self) -> list:
+        return list(self._theirs)
+
+
 class MoveTracer:
     """Watches the frames that hold moved names and calls ``on_read(frame, name, info)`` the
     first time each is read. On CPython 3.12+ it asks ``sys.monitoring`` for the instructions of
@@ -307,10 +349,8 @@ class MoveTracer:
         self._previous: Any = None
         # 3.11: the local trace function another tracer (coverage's, a debugger's, the export
         # watch's) had on a frame the audit traces: it still gets every event but the opcodes, and
-        # has the frame back after. _passing: the frames whose event it is being given (a tracer
-        # that calls back into this one, as exports.Lines does, is not given it again)
-        self._theirs: Dict[FrameType, Any] = {}
-        self._passing: Set[FrameType] = set()
+        # has the frame back after
+        self._theirs = EarlierTracers()
         self._tool: Optional[int] = None
         self._started = False  # 3.12+: the tool id is ours
         self._tracing = False  # 3.11: sys.settrace is ours
@@ -366,8 +406,8 @@ class MoveTracer:
             self._use(frame.f_code)
             return
         theirs = frame.f_trace
-        if theirs is not None and theirs != self._opcode:
-            self._theirs[frame] = theirs
+        if theirs != self._opcode:
+            self._theirs.keep(frame, theirs)
         frame.f_trace = self._opcode
         frame.f_trace_lines = frame in self._theirs  # line events only for the tracer that wants them
         frame.f_trace_opcodes = True
@@ -395,7 +435,7 @@ class MoveTracer:
         one it had before the audit's, or None)."""
         frame.f_trace_opcodes = False
         frame.f_trace_lines = True
-        return self._theirs.pop(frame, None)
+        return self._theirs.release(frame)
 
     def _untrace(self) -> None:
         if self._tracing:
@@ -417,20 +457,19 @@ class MoveTracer:
         # watched cell; a tracer that was there before still is, in those too
         theirs = self._previous(frame, event, arg) if self._previous is not None else None
         if frame.f_code in self._inner:
-            if theirs is not None:
-                self._theirs[frame] = theirs
+            self._theirs.keep(frame, theirs)
             frame.f_trace_lines = theirs is not None
             frame.f_trace_opcodes = True
             return self._opcode
         return theirs
 
     def _opcode(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if frame in self._passing:  # called back by the tracer this one is giving the event to
+        if self._theirs.passing(frame):  # called back by the tracer this one is giving the event to
             return self._opcode
         if event == "opcode":
             self._seen(frame, frame.f_lasti)
         else:
-            self._pass(frame, event, arg)
+            self._theirs.give(frame, event, arg)
             if event == "return" and frame.f_code.co_code[frame.f_lasti] != _YIELD_VALUE:  # 3.11: a yield too
                 self._unfollow(frame)
                 if frame.f_code in self._inner:  # an inner frame that returned: not watched any more
@@ -440,21 +479,6 @@ class MoveTracer:
         # no longer traced by the audit: _unfollow gave the frame its tracer back, or (an inner
         # frame whose code is not watched any more) it gets it now
         return frame.f_trace if frame.f_trace != self._opcode else self._release(frame)
-
-    def _pass(self, frame: FrameType, event: str, arg: Any) -> None:
-        """Gives the event to the tracer the frame had before the audit's, as without the audit."""
-        theirs = self._theirs.get(frame)
-        if theirs is None:
-            return
-        self._passing.add(frame)
-        try:
-            theirs = theirs(frame, event, arg)
-        finally:
-            self._passing.discard(frame)
-        if theirs is None:
-            self._theirs.pop(frame, None)
-        else:
-            self._theirs[frame] = theirs
 
     def _instruction(self, code: CodeType, offset: int) -> Any:
         self._seen(sys._getframe(1), offset)
@@ -504,7 +528,7 @@ class MoveTracer:
     def stop(self) -> None:
         for frame in list(self._moved):
             self._unfollow(frame)
-        for frame in list(self._theirs):  # inner frames still running: their tracer back
+        for frame in self._theirs.frames():  # inner frames still running: their tracer back
             frame.f_trace = self._release(frame)
         self._untrace()
         if self._started:
