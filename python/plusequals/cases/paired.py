@@ -131,7 +131,7 @@ def _step(model: nn.Module, args: tuple, kwargs: dict, train: bool, audited: boo
     return report, list(_named(model, args, kwargs, out.value)), count.n
 
 
-def _built(build: Build, seed: int) -> Tuple[nn.Module, tuple, dict]:
+def _from_seed(build: Build, seed: int) -> Tuple[nn.Module, tuple, dict]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build()
@@ -140,10 +140,8 @@ def _built(build: Build, seed: int) -> Tuple[nn.Module, tuple, dict]:
 def paired(build: Build, seed: int = 0) -> Paired:
     """Builds the model from ``seed``, copies it, and runs each copy, plain and audited, in train
     mode with backward and then in eval mode under ``no_grad`` (each phase from the same seed)."""
-    first = _built(build, seed)
-    # a deep copy has the bits of a second build from the seed (every model of the sweep's does),
-    # without a second init: vgg11's took 1.6 s of CPU
-    copies = [first, copy.deepcopy(first)]
+    first = _from_seed(build, seed)
+    copies = [first, copy.deepcopy(first)]  # the same bits as the first, without a second init
     reports: Dict[str, AuditReport] = {}
     found: List[str] = []
     ops: Dict[str, Dict[str, int]] = {}
