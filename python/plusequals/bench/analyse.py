@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Optional
 
 from .comparisons import Verdict, across, compare, one_cell, verdict
 from .comparisons import answer as answer  # re-exported: analyse.answer is the comparisons' words
-from .results import Difference, Drift, Floor, Paired, Results, SameWork, Step, Target, Timing, fmt
+from .results import ANOMALY, AUDITED, Difference, Drift, Floor, Paired, Results, SameWork, Step, Target, Timing, fmt
 from .timing import paired_differences_us, paired_ratios, spread
 
 # Paired ratios reported besides "every variant / the reference".
@@ -197,9 +197,6 @@ def targets(results: Results) -> list[Target]:
 
     speed = _speed_targets(results, target) + [_memory_target(results, target)]
     return speed + _boundary_targets(results, target) + _crossing_targets(results) + audit_cost_targets(results)
-
-
-AUDITED, ANOMALY = "plusequals.audit", "anomaly mode"  # audit_cost.py's probes
 
 
 def audit_cost_target_name(model: str, target: float) -> str:

@@ -8,15 +8,17 @@
 
 Each in train mode, batch 2, images 64 x 64 (the LM: 32 tokens), each step a forward, the sum of
 the outputs and a backward, on the CPU with one intra-op thread (restored after, as the host-cost
-cell). Four probes per family, timed in interleaved rounds like every other cell and each
+cell). Five probes per family, timed in interleaved rounds like every other cell and each
 compared with eager within each round:
 
 * eager;
 * eager under anomaly mode (``torch.autograd.detect_anomaly(check_nan=False)``), PyTorch's own
   debugging aid and the yardstick of the report's targets (the audit within 1.25x of eager);
 * ``plusequals.audit(model, x, backward=True)``: hooks, the write watch and its checks, included;
-* eager with a TorchDispatchMode that does nothing over the forward: what any dispatch mode costs,
-  the floor under the audit's own work (where the time goes).
+* eager with a TorchDispatchMode that does nothing over the forward: what any dispatch mode costs;
+* the same with torch's global module hooks that do nothing (a forward pre-hook and an always-called
+  forward hook, as the audit registers): what seeing every op and every module call costs through
+  PyTorch's Python extension points, the floor under the audit's own work (where the time goes).
 
 The CNNs and the ViT need torchvision (the ``test`` extra), the LM transformers (the ``diffusers``
 extra); a family whose library is missing is skipped, saying why.
@@ -24,15 +26,17 @@ extra); a family whose library is missing is skipped, saying why.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .results import AuditCost, AuditFamily, AuditRow
+from .results import ANOMALY, AUDITED, BARE, EAGER, OBSERVED, AuditCost, AuditFamily, AuditRow
 from .timing import SMOKE_ROUNDS, interleaved_rounds, intra_op_threads, paired_ratios, spread
 from .unet import step_row
 
@@ -42,12 +46,6 @@ TARGET = 1.25  # the report's: the audit within 1.25x of an eager train step, as
 ROUNDS = 15
 SETTLED_IQR = 0.1  # more rounds (up to 3x, for at most EXTRA_S) while a paired ratio's IQR is wider
 EXTRA_S = 5.0
-EAGER, ANOMALY, AUDITED, BARE = (
-    "eager",
-    "anomaly mode",
-    "plusequals.audit",
-    "a TorchDispatchMode that does nothing (forward)",
-)
 
 
 class _LM(nn.Module):
@@ -164,8 +162,25 @@ class _Bare(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _nothing(*args: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _observing() -> Iterator[None]:
+    """A dispatch mode and global module hooks that do nothing (the hook without kwargs: torch
+    leaves no mark of it behind once removed)."""
+    handles = [register_module_forward_pre_hook(_nothing), register_module_forward_hook(_nothing, always_call=True)]
+    try:
+        with _Bare():
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def probes(model: torch.nn.Module, x: torch.Tensor) -> dict[str, Callable[[], None]]:
-    """The four steps, each dropping the gradients of the one before."""
+    """The steps (``AUDIT_PROBES``), each dropping the gradients of the one before."""
     from ..auditing import audit
 
     def eager() -> None:
@@ -187,7 +202,13 @@ def probes(model: torch.nn.Module, x: torch.Tensor) -> dict[str, Callable[[], No
             y = model(x).sum()
         y.backward()
 
-    return {EAGER: eager, ANOMALY: anomaly, AUDITED: audited, BARE: bare}
+    def observed() -> None:
+        model.zero_grad(set_to_none=True)
+        with _observing():
+            y = model(x).sum()
+        y.backward()
+
+    return {EAGER: eager, ANOMALY: anomaly, AUDITED: audited, BARE: bare, OBSERVED: observed}
 
 
 def _settled(raw: dict[str, list[float]]) -> bool:
@@ -212,7 +233,7 @@ def build(f: Family) -> tuple[nn.Module, torch.Tensor]:
 
 
 def measure_family(f: Family, sample_s: float, seed: int, smoke: bool = False) -> AuditFamily:
-    """One family's step, its four probes in interleaved rounds (one thread)."""
+    """One family's step, its probes in interleaved rounds (one thread)."""
     why = missing(f)
     if why is not None:
         return AuditFamily(family=f.family, model=f.model, what=f.what, skipped=why)

@@ -8,7 +8,22 @@ from pathlib import Path
 from typing import Optional
 
 from .analyse import EXTRA_PAIRS, verdict_items
-from .results import AuditCost, AuditFamily, CellTiming, HostCost, Paired, Results, StepTiming, UnetRow, fmt
+from .results import (
+    ANOMALY,
+    AUDITED,
+    BARE,
+    EAGER,
+    OBSERVED,
+    AuditCost,
+    AuditFamily,
+    CellTiming,
+    HostCost,
+    Paired,
+    Results,
+    StepTiming,
+    UnetRow,
+    fmt,
+)
 
 # Marks a paired ratio whose interquartile interval contains 1.
 NOISE_MARK = "≈"
@@ -407,7 +422,6 @@ def _unet(res: Results) -> list[str]:
 
 
 AUDIT_COST = "The audit's cost on a training step"
-AUDITED, ANOMALY, BARE = "plusequals.audit", "anomaly mode", "a TorchDispatchMode that does nothing (forward)"
 AUDIT_COST_TABLE = "Each family's train step"  # the caption of the section's table
 
 
@@ -417,8 +431,10 @@ def audit_family_sentence(f: AuditFamily, target: float) -> str:
     audited = f.row(AUDITED)
     if audited is None:
         return f"{f.model} ({f.family}): not measured ({f.skipped or 'no rows'})."
-    floor = f.row(BARE)
+    floor, observed = f.row(BARE), f.row(OBSERVED)
     beside = "" if floor is None else f", a dispatch mode that does nothing {step_ratio(floor)}"
+    if observed is not None:
+        beside += f", that mode and global module hooks that do nothing {step_ratio(observed)}"
     verdict = "met" if audited.vs_eager <= target else "missed"
     return (
         f"{f.model} ({f.family}): the audit costs {step_ratio(audited)} times an eager step, anomaly mode "
@@ -446,6 +462,13 @@ def audit_cost_sentences(ac: AuditCost) -> list[str]:
             "any such mode (torch's Python dispatch of each aten op); the rest is the audit's own Python: a hook pair "
             "per module call, each op's outputs noted for what autograd saves, and each write's checks. In backward "
             "only the Python code that backward runs is dispatched."
+        )
+    over = [f.model for f in measured if (o := f.row(OBSERVED)) is not None and o.vs_eager > ac.target]
+    if over:
+        said.append(
+            "The audit must see every op of the forward and every module call; through PyTorch's Python extension "
+            "points (a TorchDispatchMode, torch's global module hooks) that alone, doing nothing, costs more than the "
+            f"target on {', '.join(over)}."
         )
     return said
 
@@ -482,7 +505,7 @@ def audit_cost_claim(data: dict) -> str:
     steps = "; ".join(
         f"{f.model} {fmt(eager.median_ms)} ms eager, {fmt(f.row(AUDITED).median_ms)} ms through `audit()`"
         for f in measured
-        if (eager := f.row("eager")) is not None
+        if (eager := f.row(EAGER)) is not None
     )
     return f"In the committed CPU report (a train step, batch 2, one thread): {steps}. " + " ".join(
         audit_cost_sentences(ac)

@@ -203,8 +203,16 @@ class UnetRow(StepTiming):
 
 @dataclass(frozen=True)
 class AuditRow(StepTiming):
-    """One way of running a model family's train step in the audit's cost cell: eager, anomaly
-    mode, ``plusequals.audit``, a dispatch mode that does nothing."""
+    """One way of running a model family's train step in the audit's cost cell: one of
+    ``AUDIT_PROBES`` (a row's ``name``)."""
+
+
+# The audit's cost cell's probes (bench/audit_cost.py), by the row names results.json gives them.
+EAGER, ANOMALY, AUDITED = "eager", "anomaly mode", "plusequals.audit"
+BARE = "a TorchDispatchMode that does nothing (forward)"  # the floor under any dispatch mode
+# the floor under any audit that sees what the audit sees: every op of the forward and every module call
+OBSERVED = "a TorchDispatchMode and global module hooks that do nothing (forward)"
+AUDIT_PROBES = (EAGER, ANOMALY, AUDITED, BARE, OBSERVED)
 
 
 @dataclass(frozen=True)
