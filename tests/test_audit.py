@@ -248,6 +248,48 @@ def test_a_callable_that_is_not_a_module_borrows_its_arguments_too():
     assert f.module == "" and f.where == line_in(fn, "x.mul_(scale)")
 
 
+_POOL = ["a", "b", "x", "h", "inp", "hidden", "t_0"]
+
+
+def _writer(names: list, k: int):
+    """``def forward(self, <names>)`` that writes into its ``k``-th parameter and returns the first."""
+    src = f"def forward(self, {', '.join(names)}):\n    {names[k]}.add_(1.0)\n    return {names[0]} * 2\n"
+    scope: dict = {}
+    exec(compile(src, "<generated forward>", "exec"), scope)
+    return scope["forward"]
+
+
+def _named(report) -> str:
+    return only(report, "E0596").message.split("wrote into its argument `", 1)[1].split("`", 1)[0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_an_argument_is_named_by_the_forward_that_runs_now(data):
+    """Each audit names the argument as the function that runs now does: generated parameter
+    names, after its ``__code__`` was swapped for other names, and whether it runs bound (a
+    module's ``forward``) or unbound (the same function audited as a plain callable). No audit
+    keeps the function alive."""
+    import gc
+    import weakref
+
+    n = data.draw(st.integers(2, 4))
+    first, second = (data.draw(st.lists(st.sampled_from(_POOL), min_size=n, max_size=n, unique=True)) for _ in "12")
+    k = data.draw(st.integers(0, n - 1))
+    forward = _writer(first, k)
+    model = type("Generated", (nn.Module,), {"forward": forward})()
+    args = [torch.randn(3) for _ in first]
+    assert _named(audit(model, *args)) == first[k]
+    assert _named(audit(forward, model, *args)) == first[k]  # unbound: ``self`` is its first parameter
+    assert _named(audit(model, *args)) == first[k]
+    forward.__code__ = _writer(second, k).__code__
+    assert _named(audit(model, *args)) == second[k]
+    gone = weakref.ref(forward)
+    del model, forward
+    gc.collect()
+    assert gone() is None
+
+
 def test_E0382_follows_names_held_in_containers_and_forgets_rebound_and_deleted_ones():
     class Level(nn.Module):
         def __init__(self, mode: str) -> None:
