@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from conftest import examples
 from plusequals.auditing import AuditReport, audit
 from plusequals.auditing.frames import short_path
 from plusequals.cases import project as cases
@@ -263,7 +264,7 @@ def _named(report) -> str:
     return only(report, "E0596").message.split("wrote into its argument `", 1)[1].split("`", 1)[0]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(st.data())
 def test_an_argument_is_named_by_the_forward_that_runs_now(data):
     """Each audit names the argument as the function that runs now does: generated parameter
