@@ -165,6 +165,14 @@ class FindingLog:
         return list(found.values())
 
 
+# The references to a written tensor that the write itself holds when ``_check`` counts them: the
+# op's argument (its slot in ``args``, a list or ``kwargs``), torch's own while it dispatches the
+# op to Python, the list ``written``, ``_check``'s loop variable and getrefcount's argument. Never
+# fewer (tests/test_audit_alias.py pins the count: dropout's mask has exactly these); more (the
+# same tensor given twice) only means a search that finds nothing.
+_WRITES_OWN = 5
+
+
 def _op_name(func: Any) -> str:
     return str(func)  # as torch names it: aten.add_.Tensor, aten.relu_.default
 
@@ -280,7 +288,11 @@ class WriteWatch(TorchDispatchMode):
             entries = self.saved.saving(s)  # a metadata-only write (`unsqueeze_`) bumps the version too
             # a module's own parameter or buffer (BatchNorm's running statistics) is no second name
             own = owner is not None or metadata_only or self.phase != "forward" or self.modules.kept(s) is not None
-            aliases = [] if own else self._aliases(t)
+            # Nothing outside this write holds ``t`` when it has no reference but the write's own
+            # (_WRITES_OWN): a temporary that an aten composite made and wrote (dropout's mask). A
+            # name in any frame would be one more reference, so no frame is searched for one.
+            held = sys.getrefcount(t) > _WRITES_OWN
+            aliases = self._aliases(t) if held and not own else []
             if owner is None and not entries and not aliases:
                 continue
             where = where or write_site(sys._getframe(), self.modules)  # never the audit's caller
