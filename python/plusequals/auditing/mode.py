@@ -291,8 +291,7 @@ class WriteWatch(TorchDispatchMode):
             # Nothing outside this write holds ``t`` when it has no reference but the write's own
             # (_WRITES_OWN): a temporary that an aten composite made and wrote (dropout's mask). A
             # name in any frame would be one more reference, so no frame is searched for one.
-            held = sys.getrefcount(t) > _WRITES_OWN
-            aliases = self._aliases(t) if held and not own else []
+            aliases = [] if own or sys.getrefcount(t) <= _WRITES_OWN else self._aliases(t)
             if owner is None and not entries and not aliases:
                 continue
             where = where or write_site(sys._getframe(), self.modules)  # never the audit's caller
