@@ -9,14 +9,14 @@ use std::collections::HashMap;
 use tch::{Kind, Tensor};
 
 use crate::attention_extras::{add_mask, check_mask, per_head, AttentionExtras};
-pub use crate::custom_diffusion::CustomDiffusionSpec;
-use crate::custom_diffusion::{Base, CustomDiffusion};
 use crate::error::{Error, Failure, Result};
 use crate::facts::{autocast_produces, dense_size, device, device_name, dtype_name, versions, Recorded};
 use crate::failpoint::{self, Step};
 pub use crate::ip_adapter::IpAdapter;
 pub use crate::linear::{Linear, Lora, LoraSpec};
 use crate::ownership::{check_exclusive, check_owned_by, Caller, NoGrad};
+pub use crate::processor::ProcessorSpec;
+use crate::processor::{self, AttnProcessor, Base};
 use crate::weights::{WeightKey, Weights};
 
 /// Which attention kernel `CrossAttention` uses (`attention=` in the PyTorch block).
@@ -53,8 +53,9 @@ pub struct BlockConfig {
     /// IP-Adapter on `attn2` (diffusers' `IPAdapterAttnProcessor2_0`): one scale per adapter,
     /// whose weights are `attn2.ip.{i}.to_k.weight` and `attn2.ip.{i}.to_v.weight` (inner x context).
     pub ip_adapter: Vec<f64>,
-    /// Custom Diffusion (diffusers' `CustomDiffusionAttnProcessor2_0`) on `attn1` and/or `attn2`.
-    pub custom_diffusion: Vec<CustomDiffusionSpec>,
+    /// The attention processors with layers of their own ([`crate::processor`]: Custom Diffusion)
+    /// on `attn1` and/or `attn2`, one per attention.
+    pub processors: Vec<ProcessorSpec>,
 }
 
 impl BlockConfig {
@@ -112,14 +113,15 @@ pub struct CrossAttention {
     pub attention: Attention,
     /// IP-Adapter's decoupled cross-attentions (`attn2` only), in diffusers' adapter order.
     pub ip_adapter: Vec<IpAdapter>,
-    /// Custom Diffusion's own projections, which replace some of the above ([`crate::custom_diffusion`]).
-    pub custom_diffusion: Option<CustomDiffusion>,
+    /// The processor that computes this attention instead, on layers of its own that replace some
+    /// of the above ([`crate::processor`]).
+    pub processor: Option<Box<dyn AttnProcessor>>,
 }
 
 impl CrossAttention {
     fn load(w: &mut Weights, prefix: &str, query_dim: i64, context_dim: i64, cfg: &BlockConfig) -> Result<Self> {
         let inner_dim = cfg.inner_dim()?;
-        let custom = CustomDiffusion::load(w, prefix, (query_dim, context_dim, inner_dim), &cfg.custom_diffusion)?;
+        let processor = processor::load(w, prefix, (query_dim, context_dim, inner_dim), &cfg.processors)?;
         Ok(CrossAttention {
             to_q: Linear::load(w, &format!("{prefix}.to_q"), (query_dim, inner_dim), false, &cfg.lora)?,
             to_k: Linear::load(w, &format!("{prefix}.to_k"), (context_dim, inner_dim), false, &cfg.lora)?,
@@ -135,7 +137,7 @@ impl CrossAttention {
                 &cfg.ip_adapter,
                 cfg.attention == Attention::Sdpa,
             )?,
-            custom_diffusion: custom,
+            processor,
         })
     }
 
@@ -194,9 +196,9 @@ impl CrossAttention {
 
     /// [`forward`](Self::forward) with an attention mask ([`crate::attention_extras`]).
     pub fn forward_masked(&self, x: &Tensor, context: Option<&Tensor>, mask: Option<&Tensor>) -> Result<Tensor> {
-        if let Some(custom) = &self.custom_diffusion {
+        if let Some(processor) = &self.processor {
             let base = Base { q: &self.to_q, k: &self.to_k, v: &self.to_v, out: &self.to_out, heads: self.heads };
-            return custom.forward(&base, x, context, mask);
+            return processor.forward(&base, x, context, mask);
         }
         if self.attention == Attention::Sdpa {
             return self.to_out.forward(&self.attend(x, context, mask)?.1);
@@ -413,8 +415,9 @@ impl BasicTransformerBlock {
 
     /// Every weight with its CompVis key, in the order the custom ops take them: the PyTorch
     /// block's (`attn1`'s, `attn2`'s, the feed-forward's, the norms'), then the LoRA terms' (in
-    /// [`BlockConfig::lora`] order), IP-Adapter's and Custom Diffusion's. The one list of the block's weights:
-    /// [`weights`](Self::weights) and [`weight_keys`](Self::weight_keys) read it.
+    /// [`BlockConfig::lora`] order), IP-Adapter's and the processors' (`attn1`'s, `attn2`'s). The
+    /// one list of the block's weights: [`weights`](Self::weights) and
+    /// [`weight_keys`](Self::weight_keys) read it.
     pub fn named_weights(&self) -> Vec<(WeightKey<'_>, &Tensor)> {
         let mut w = Vec::with_capacity(16);
         for attn in [&self.attn1, &self.attn2] {
@@ -435,8 +438,8 @@ impl BasicTransformerBlock {
         for ip in &self.attn2.ip_adapter {
             w.extend(ip.to_k.named().chain(ip.to_v.named()));
         }
-        for custom in [&self.attn1, &self.attn2].into_iter().filter_map(|a| a.custom_diffusion.as_ref()) {
-            w.extend(custom.named());
+        for processor in [&self.attn1, &self.attn2].into_iter().filter_map(|a| a.processor.as_ref()) {
+            w.extend(processor.named());
         }
         w
     }

@@ -17,6 +17,7 @@ use crate::error::{Error, Failure, Result};
 use crate::facts::version;
 use crate::failpoint::{self, Step};
 use crate::ownership::{check_owned_by, Caller, NoGrad};
+use crate::processor::ProcessorKind;
 
 #[repr(C)]
 struct RawBlock {
@@ -108,19 +109,27 @@ unsafe impl Send for CppBlock {}
 unsafe impl Sync for CppBlock {}
 
 impl CppBlock {
-    /// Takes the weights by key (the caller validates them: see `BasicTransformerBlock::from_weights`).
-    pub fn from_weights(weights: &[(String, Tensor)], cfg: &BlockConfig) -> Result<Self> {
+    /// Why the C++ twin cannot compute a block of this configuration (the adapters it has no
+    /// code for), or `None`.
+    pub fn refusal(cfg: &BlockConfig) -> Result<Option<String>> {
+        let rust = "use the Rust block (RustBlock)";
         if let Some(term) = cfg.lora.first() {
-            return Err(Error::config(format!(
-                "the C++ twin computes no LoRA terms ({} carries an adapter): use the Rust block (RustBlock)",
+            return Ok(Some(format!(
+                "the C++ twin computes no LoRA terms ({} carries an adapter): {rust}",
                 term.linear
             )));
         }
-        if let Some(spec) = cfg.custom_diffusion.first() {
-            return Err(Error::config(format!(
-                "the C++ twin computes no Custom Diffusion ({} carries it): use the Rust block (RustBlock)",
-                spec.attn
-            )));
+        if let Some(spec) = cfg.processors.first() {
+            let name = ProcessorKind::find(&spec.kind)?.name;
+            return Ok(Some(format!("the C++ twin computes no {name} ({} carries it): {rust}", spec.attn)));
+        }
+        Ok(None)
+    }
+
+    /// Takes the weights by key (the caller validates them: see `BasicTransformerBlock::from_weights`).
+    pub fn from_weights(weights: &[(String, Tensor)], cfg: &BlockConfig) -> Result<Self> {
+        if let Some(why) = Self::refusal(cfg)? {
+            return Err(Error::config(why));
         }
         let keys: Vec<CString> = weights
             .iter()

@@ -13,12 +13,12 @@
 pub mod attention_extras;
 pub mod block;
 pub mod cpp;
-pub mod custom_diffusion;
 pub mod error;
 pub mod facts;
 pub mod ip_adapter;
 pub mod linear;
 pub mod ownership;
+pub mod processor;
 pub mod weights;
 
 // Test support, not API: the alias routes (run by tests/alias_routes.rs and, through the
@@ -37,6 +37,6 @@ pub mod testing;
 mod python;
 
 pub use attention_extras::AttentionExtras;
-pub use block::{AddInPlace, Attention, BasicTransformerBlock, BlockConfig, CustomDiffusionSpec, LoraSpec};
+pub use block::{AddInPlace, Attention, BasicTransformerBlock, BlockConfig, LoraSpec, ProcessorSpec};
 pub use error::{Error, Failure, Result};
 pub use ownership::NoGrad;

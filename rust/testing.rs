@@ -23,7 +23,7 @@ pub fn small_config(attention: Attention) -> BlockConfig {
         attention,
         lora: Vec::new(),
         ip_adapter: Vec::new(),
-        custom_diffusion: Vec::new(),
+        processors: Vec::new(),
     }
 }
 

@@ -7,9 +7,7 @@ use std::collections::HashMap;
 
 use plusequals::cpp::CppBlock;
 use plusequals::testing::{small_config, small_inputs, small_weights, Normal};
-use plusequals::{
-    Attention, AttentionExtras, BasicTransformerBlock, BlockConfig, CustomDiffusionSpec, Error, LoraSpec,
-};
+use plusequals::{Attention, AttentionExtras, BasicTransformerBlock, BlockConfig, Error, LoraSpec, ProcessorSpec};
 use tch::{Device, Kind, Tensor};
 
 fn block(attention: Attention) -> BasicTransformerBlock {
@@ -197,7 +195,7 @@ fn ip_adapter_terms_scales_and_refusals() -> plusequals::Result<()> {
     Ok(())
 }
 
-/// Custom Diffusion (`BlockConfig::custom_diffusion`, rust/custom_diffusion.rs): with its
+/// Custom Diffusion (a `BlockConfig::processors` entry, rust/processor/custom_diffusion.rs): with its
 /// own layers equal to the attention's it computes the plain block's values (the detach keeps them;
 /// SDPA's default scale instead of d_head ** -0.5), the first context token gets no gradient, and a
 /// mask, a missing key, heads * d_head != dim and the C++ twin are errors.
@@ -208,9 +206,9 @@ fn custom_diffusion_layers_detach_and_refusals() -> plusequals::Result<()> {
         let copy = w[&format!("attn2.{part}")].copy();
         w.insert(format!("attn2.custom_diffusion.{part}"), copy);
     }
-    let spec =
-        |attn: &str| CustomDiffusionSpec { attn: attn.into(), train_kv: true, train_q_out: true, out_bias: true };
-    let cfg = BlockConfig { custom_diffusion: vec![spec("attn2")], ..small_config(Attention::Sdpa) };
+    let flags = ["train_kv", "train_q_out", "out_bias"].map(String::from).to_vec();
+    let spec = |attn: &str| ProcessorSpec { kind: "custom_diffusion".into(), attn: attn.into(), flags: flags.clone() };
+    let cfg = BlockConfig { processors: vec![spec("attn2")], ..small_config(Attention::Sdpa) };
     let shared = |w: &HashMap<String, Tensor>| w.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect();
     let b = BasicTransformerBlock::from_weights(shared(&w), &cfg)?;
     assert_eq!(cfg.weight_keys()?, b.weight_keys(), "the configuration's keys are its block's");
@@ -225,14 +223,47 @@ fn custom_diffusion_layers_detach_and_refusals() -> plusequals::Result<()> {
     let mask = Tensor::zeros([2, 1, 7], (Kind::Float, Device::Cpu));
     let err = b.forward_masked(&x, Some(&c), AttentionExtras { attn2: Some(&mask), ..AttentionExtras::NONE }).err();
     assert!(matches!(err, Some(Error::Input { .. })), "{err:?}");
-    let cfg = BlockConfig { custom_diffusion: vec![spec("attn1"), spec("attn2")], ..small_config(Attention::Sdpa) };
+    let cfg = BlockConfig { processors: vec![spec("attn1"), spec("attn2")], ..small_config(Attention::Sdpa) };
     let err = BasicTransformerBlock::from_weights(shared(&w), &cfg).err();
     assert!(matches!(err, Some(Error::MissingWeight(ref k)) if k == "attn1.custom_diffusion.to_q.weight"), "{err:?}");
-    let wide = BlockConfig { d_head: 16, custom_diffusion: vec![spec("attn1")], ..small_config(Attention::Sdpa) };
+    let wide = BlockConfig { d_head: 16, processors: vec![spec("attn1")], ..small_config(Attention::Sdpa) };
     let err = BasicTransformerBlock::from_weights(shared(&w), &wide).err();
     assert!(err.is_some_and(|e| e.to_string().contains("splits the heads by the hidden states' width")));
     let w: Vec<(String, Tensor)> = w.into_iter().collect();
     assert!(CppBlock::from_weights(&w, &cfg).is_err_and(|e| e.to_string().contains("no Custom Diffusion")));
+    Ok(())
+}
+
+/// A processor's configuration names what the crate computes ([`plusequals::processor::KINDS`]):
+/// an unknown kind or option, two processors on one attention and an attention the block does not
+/// have are errors naming them; an option left out is off (its layers are not taken).
+#[test]
+fn processor_specs_name_what_the_crate_computes() -> plusequals::Result<()> {
+    let spec = |kind: &str, attn: &str, flags: &[&str]| ProcessorSpec {
+        kind: kind.into(),
+        attn: attn.into(),
+        flags: flags.iter().map(|f| f.to_string()).collect(),
+    };
+    let refused = [
+        (vec![spec("sliced", "attn2", &[])], "no attention processor \"sliced\""),
+        (vec![spec("custom_diffusion", "attn2", &["train_q"])], "Custom Diffusion has no option \"train_q\""),
+        (vec![spec("custom_diffusion", "attn3", &[])], "custom_diffusion on \"attn3\""),
+        (vec![spec("custom_diffusion", "attn2", &[]), spec("custom_diffusion", "attn2", &[])], "attn2 carries two"),
+    ];
+    for (processors, why) in refused {
+        let cfg = BlockConfig { processors, ..small_config(Attention::Sdpa) };
+        let err = cfg.weight_keys().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains(why), "{err:?} does not name {why:?}");
+    }
+    let keys = |flags: &[&str]| {
+        let cfg =
+            BlockConfig { processors: vec![spec("custom_diffusion", "attn1", flags)], ..small_config(Attention::Sdpa) };
+        cfg.weight_keys().map(|k| k.into_iter().filter(|k| k.contains("custom_diffusion")).collect::<Vec<_>>())
+    };
+    assert!(keys(&[])?.is_empty());
+    assert_eq!(keys(&["train_kv"])?, ["attn1.custom_diffusion.to_k.weight", "attn1.custom_diffusion.to_v.weight"]);
+    assert_eq!(keys(&["train_q_out"])?.len(), 2, "to_q and to_out.0's weight, no bias");
+    assert_eq!(keys(&["train_q_out", "out_bias"])?.len(), 3);
     Ok(())
 }
 

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conftest import examples, outcome, randomize_, rel_err
-from plusequals import CppBlock, RustBlock, UnsupportedBlockError, swap_transformer_blocks
+from plusequals import CppBlock, RustBlock, UnsupportedBlockError, _rust, swap_transformer_blocks
+from plusequals.twin.config import BlockConfig
 from plusequals.twin.swap import RustTransformerBlock
 
 pytest.importorskip("diffusers", reason="needs the optional extra plusequals[diffusers]")
@@ -100,7 +101,7 @@ def test_block_forward_and_backward_match_diffusers(cls, attn1, attn2, context):
     cross = CROSS if context else DIM  # no context: attn2 attends to x (no detach: not a cross-attention)
     reference = make_block(specs, cross=cross)
     rust = RustBlock.from_torch(copy.deepcopy(reference))
-    assert {s[0] for s in rust._config.custom_diffusion} == set(specs)  # computed in Rust, not refused
+    assert {s[1] for s in rust._config.processors if s[0] == "custom_diffusion"} == set(specs)  # in Rust
     x, c = inputs(context)
     got, expected = outputs(rust, rust_call, (x, c)), outputs(reference, diffusers_call, (x, c))
     assert got[2].keys() == expected[2].keys()
@@ -139,7 +140,7 @@ def test_unused_layers_and_flags_are_followed():
             setattr(m.attn2.processor, flag, False)
         with torch.no_grad():
             assert torch.equal(rust(x, c), reference(x, encoder_hidden_states=c)), flag
-    assert rust._config.custom_diffusion == (("attn2", False, False, False),)
+    assert rust._config.processors == (("custom_diffusion", "attn2", ()),)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -187,8 +188,9 @@ def test_swapped_unet_with_custom_diffusion_is_bitwise(tiny_unet, after_the_swap
     if not after_the_swap:
         swap_transformer_blocks(unet)
     blocks = [m for m in unet.modules() if isinstance(m, RustTransformerBlock)]
-    expected = (("attn1", False, False, False), ("attn2", True, True, True))  # attn1: diffusers' own layers
-    assert all(b.rust_block()._config.custom_diffusion == expected for b in blocks)
+    all_on = ("train_kv", "train_q_out", "out_bias")
+    expected = (("custom_diffusion", "attn1", ()), ("custom_diffusion", "attn2", all_on))  # attn1: its own layers
+    assert all(b.rust_block()._config.processors == expected for b in blocks)
     got, expected = unet_outputs(unet), unet_outputs(reference)
     assert len(got) == len(expected) and all(same(a, b) for a, b in zip(got, expected))
     cd_grads = [p.grad for n, p in unet.named_parameters() if "custom_diffusion" in n]
@@ -296,6 +298,35 @@ def test_masks_tracing_and_the_cpp_twin_are_refused_naming_custom_diffusion():
     assert all(torch.equal(a, b) for a, b in zip(before, rust.parameters()))
     with torch.no_grad():  # and it runs again without them
         assert torch.equal(rust(x, c), rust.forward_owned(x, c))
+
+
+def test_a_configuration_names_the_processors_rust_computes():
+    """``BlockConfig.processors`` names a processor by its kind and its options that are on: the Rust
+    block's list of kinds (rust/processor/mod.rs) is the one place, and an unknown kind or option, a
+    second processor on one attention or an attention the block lacks is a ``ValueError`` naming it.
+    The C++ twin's refusal is Rust's, worded once (``CppBlock::refusal``)."""
+    base = BlockConfig(DIM, HEADS, DIM // HEADS, CROSS, True, "sdpa")
+    cd = lambda attn, *on: ("custom_diffusion", attn, on)  # noqa: E731
+    for processors, why in (
+        ((("sliced", "attn2", ()),), r'no attention processor "sliced": this crate computes \["custom_diffusion"\]'),
+        ((cd("attn2", "train_q"),), r'Custom Diffusion has no option "train_q"'),
+        ((cd("attn3"),), r'custom_diffusion on "attn3"'),
+        ((cd("attn1"), cd("attn1")), r"attn1 carries two processors"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            base._replace(processors=processors).keys
+    keys = base._replace(processors=(cd("attn1", "train_q_out"), cd("attn2", "train_kv"))).keys
+    assert [k for k in keys if "custom_diffusion" in k] == [
+        "attn1.custom_diffusion.to_q.weight",
+        "attn1.custom_diffusion.to_out.0.weight",
+        "attn2.custom_diffusion.to_k.weight",
+        "attn2.custom_diffusion.to_v.weight",
+    ]
+    assert _rust.Config(**base._asdict()).cpp_refusal() is None
+    config = base._replace(processors=(cd("attn2"),), language="cpp")
+    assert _rust.Config(**config._asdict()).cpp_refusal() == (
+        "the C++ twin computes no Custom Diffusion (attn2 carries it): use the Rust block (RustBlock)"
+    )
 
 
 def test_what_diffusers_computes_otherwise_is_refused_naming_it():

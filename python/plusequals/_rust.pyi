@@ -98,9 +98,10 @@ class Config:
         language: str = "rust",
         lora: Sequence[Tuple[str, int, float, bool, bool]] = ...,
         ip_adapter: Sequence[float] = ...,
-        custom_diffusion: Sequence[Tuple[str, bool, bool, bool]] = ...,
+        processors: Sequence[Tuple[str, str, Sequence[str]]] = ...,
     ) -> Config: ...
     def weight_keys(self) -> List[str]: ...
+    def cpp_refusal(self) -> Optional[str]: ...
 
 @final
 class Block:

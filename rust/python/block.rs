@@ -15,7 +15,7 @@ use crate::attention_extras::AttentionExtras;
 use crate::block::deep_copy;
 use crate::cpp::CppBlock;
 use crate::ownership::Caller;
-use crate::{BasicTransformerBlock, BlockConfig, CustomDiffusionSpec, LoraSpec, NoGrad, Result};
+use crate::{BasicTransformerBlock, BlockConfig, LoraSpec, NoGrad, ProcessorSpec, Result};
 
 /// What the weights alone do not tell a block, and which twin computes: `_rust.Block`'s second
 /// argument, with the fields of `plusequals.twin.config.BlockConfig` (Python's one list of them),
@@ -30,7 +30,7 @@ pub(super) struct PyConfig {
 impl PyConfig {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (*, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa", language="rust", lora=Vec::new(), ip_adapter=Vec::new(), custom_diffusion=Vec::new()))]
+    #[pyo3(signature = (*, dim, n_heads, d_head, context_dim=None, gated_ff=true, attention="sdpa", language="rust", lora=Vec::new(), ip_adapter=Vec::new(), processors=Vec::new()))]
     fn new(
         dim: i64,
         n_heads: i64,
@@ -41,7 +41,7 @@ impl PyConfig {
         language: &str,
         lora: Vec<(String, i64, f64, bool, bool)>,
         ip_adapter: Vec<f64>,
-        custom_diffusion: Vec<(String, bool, bool, bool)>,
+        processors: Vec<(String, String, Vec<String>)>,
     ) -> PyResult<Self> {
         let cpp = match language {
             "rust" => false,
@@ -52,18 +52,11 @@ impl PyConfig {
             .into_iter()
             .map(|(linear, rank, scaling, bias, dora)| LoraSpec { linear, rank, scaling, bias, dora })
             .collect();
-        let custom_diffusion = custom_diffusion
-            .into_iter()
-            .map(|(attn, train_kv, train_q_out, out_bias)| CustomDiffusionSpec {
-                attn,
-                train_kv,
-                train_q_out,
-                out_bias,
-            })
-            .collect();
+        let processors =
+            processors.into_iter().map(|(kind, attn, flags)| ProcessorSpec { kind, attn, flags }).collect();
         let attention = attention.parse().map_err(to_py)?;
         let config =
-            BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention, lora, ip_adapter, custom_diffusion };
+            BlockConfig { dim, n_heads, d_head, context_dim, gated_ff, attention, lora, ip_adapter, processors };
         Ok(PyConfig { config, cpp })
     }
 
@@ -72,6 +65,12 @@ impl PyConfig {
     /// of them (`plusequals.twin.config` reads it).
     fn weight_keys(&self) -> PyResult<Vec<String>> {
         self.config.weight_keys().map_err(to_py)
+    }
+
+    /// Why the C++ twin cannot compute a block of this configuration, or None: `CppBlock::refusal`,
+    /// the one place of it (`plusequals.twin.build` raises it before building).
+    fn cpp_refusal(&self) -> PyResult<Option<String>> {
+        CppBlock::refusal(&self.config).map_err(to_py)
     }
 }
 

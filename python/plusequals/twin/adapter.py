@@ -56,6 +56,12 @@ class Adapter:
         block's width, heads * d_head), None where unknown."""
         raise NotImplementedError(f"{type(self).__name__} reads no attention processor")
 
+    def own_masks(self, processor: str) -> bool:
+        """Whether a masked call under diffusers' processor class named ``processor`` is this
+        adapter's to take (SDPA's masks, as the Rust block's) or to refuse (:meth:`check`), rather
+        than the swap's check of the masks other processors cannot take."""
+        return False
+
     def untraceable(self, config: BlockConfig, casting: bool, lora_layers: Sequence[str]) -> Optional[str]:
         """Why a block with this reading cannot run as the custom ops (traced, fake, under a mode or
         with tensor subclasses) because of this adapter, or None."""

@@ -41,15 +41,12 @@ def validated_inner(weights: Mapping[str, Tensor], config: BlockConfig) -> Tuple
 
 
 def _check_twin(config: BlockConfig) -> None:
-    """What the C++ twin does not compute, refused naming it (rust/cpp.rs refuses it too)."""
-    if config.language != "cpp":
+    """What the C++ twin does not compute, refused naming it (rust/cpp.rs, ``CppBlock::refusal``)."""
+    if config.language != "cpp" or not (config.lora or config.processors):
         return
-    for what, present in (("LoRA terms", config.lora), ("Custom Diffusion", config.custom_diffusion)):
-        if present:
-            where = present[0][0]  # the linear layer's key, or the attention
-            raise UnsupportedBlockError(
-                f"the C++ twin computes no {what} ({where} carries it): use the Rust block (RustBlock)"
-            )
+    why = _rust.Config(**config._asdict()).cpp_refusal()
+    if why is not None:
+        raise UnsupportedBlockError(why)
 
 
 def _check_weight(key: object, value: object) -> None:

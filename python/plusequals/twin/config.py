@@ -30,16 +30,17 @@ class BlockConfig(NamedTuple):
     # IP-Adapter on attn2 (rust/block.rs, IpAdapter): one scale per adapter. Not a custom-op
     # argument either: refused where the custom ops would run.
     ip_adapter: Tuple[float, ...] = ()
-    # Custom Diffusion (rust/custom_diffusion.rs): (attention, train_kv, train_q_out, out_bias) per
-    # attention that carries it. Not a custom-op argument: refused where the custom ops would run.
-    custom_diffusion: Tuple[Tuple[str, bool, bool, bool], ...] = ()
+    # The attention processors with layers of their own (rust/processor/mod.rs: Custom Diffusion):
+    # (kind, attention, the options that are on) per attention that carries one. Not a custom-op
+    # argument: refused where the custom ops would run.
+    processors: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = ()
 
     @property
     def keys(self) -> Tuple[str, ...]:
         """The weights' CompVis keys, in the order the custom ops take them: the PyTorch block's
         (``attn1``'s, ``attn2``'s, the feed-forward's, the norms'), then the LoRA terms'
         (``{linear}.lora.{i}.A.weight``, ...), IP-Adapter's (``attn2.ip.{i}.to_k.weight``, ...) and
-        Custom Diffusion's (``{attn}.custom_diffusion.to_q.weight``, ...). Read from the Rust block
+        the processors' (``{attn}.custom_diffusion.to_q.weight``, ...). Read from the Rust block
         (``BlockConfig::weight_keys`` in rust/block.rs), the one list of them; a configuration
         the Rust block refuses raises its ``ValueError``."""
         return _weight_keys(self)
@@ -47,7 +48,7 @@ class BlockConfig(NamedTuple):
     @property
     def op_fields(self) -> tuple:
         """The fields the custom ops take, in their order (all but ``lora``, ``ip_adapter`` and
-        ``custom_diffusion``)."""
+        ``processors``)."""
         return tuple(self)[: len(OP_FIELDS)]
 
 

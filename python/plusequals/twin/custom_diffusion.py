@@ -2,7 +2,7 @@
 reads of diffusers' ``CustomDiffusionAttnProcessor2_0`` (and ``CustomDiffusionAttnProcessor``) on
 ``attn1`` or ``attn2``.
 
-diffusers' processor (what ``rust/custom_diffusion.rs`` reproduces, op for op, on its tensors):
+diffusers' processor (what ``rust/processor/custom_diffusion.rs`` reproduces, op for op, on its tensors):
 with ``train_q_out``, ``to_q_custom_diffusion`` and ``to_out_custom_diffusion`` replace the
 attention's ``to_q`` and ``to_out``; with ``train_kv``, ``to_k_custom_diffusion`` and
 ``to_v_custom_diffusion`` replace ``to_k`` and ``to_v`` (the states cast to their dtype, the
@@ -10,7 +10,7 @@ results to ``to_q``'s). In a cross-attention call the first token's key and valu
 graph (``detach * k + (1 - detach) * k.detach()``): the values are unchanged, the gradients not.
 The Rust block takes those layers under the keys ``{attn}.custom_diffusion.to_q.weight``,
 ``.to_k.weight``, ``.to_v.weight``, ``.to_out.0.weight`` and ``.to_out.0.bias``
-(rust/custom_diffusion.rs; :attr:`plusequals.twin.config.BlockConfig.keys` reads them from there).
+(rust/processor/custom_diffusion.rs; :attr:`plusequals.twin.config.BlockConfig.keys` reads them from there).
 
 What the reading looks at is watched: ``train_kv``, ``train_q_out``, the layers and their
 parameters, the output dropout; a change reads the block again. The layers a flag turns off are
@@ -34,7 +34,19 @@ from .adapter import Adapter, Carried
 from .config import BlockConfig
 from .watch import class_name
 
-__all__ = ["CUSTOM_DIFFUSION", "CUSTOM_DIFFUSION_PROCESSORS", "CustomDiffusion", "read_custom_diffusion"]
+__all__ = [
+    "CUSTOM_DIFFUSION",
+    "CUSTOM_DIFFUSION_PROCESSORS",
+    "CustomDiffusion",
+    "KIND",
+    "OPTIONS",
+    "read_custom_diffusion",
+]
+
+#: Its kind in ``BlockConfig.processors`` (rust/processor/mod.rs, ``KINDS``), and its options there,
+#: in rust/processor/custom_diffusion.rs's order: an entry is ``(KIND, attention, the options on)``.
+KIND = "custom_diffusion"
+OPTIONS = ("train_kv", "train_q_out", "out_bias")
 
 _TRACED = "cannot be traced (torch.compile, torch.export, FakeTensor) or run under a mode or with tensor subclasses"
 
@@ -50,7 +62,7 @@ _LAYERS = {
 
 def read_custom_diffusion(r: Any, processor: Any, name: str, widths: tuple) -> None:
     """Reads the Custom Diffusion ``processor`` of ``name`` (``attn1``/``attn2``) with the reader
-    ``r`` (``faithful._Reader``): one entry of ``r.custom_diffusion`` and its slots, or the reasons
+    ``r`` (``faithful._Reader``): one entry of ``r.processors`` and its slots, or the reasons
     it is refused. ``widths``: (the block's width, heads * d_head), None where unknown."""
     w = r.w
     flags = {flag: w.get(processor, flag) for flag in ("train_kv", "train_q_out")}
@@ -71,7 +83,8 @@ def read_custom_diffusion(r: Any, processor: Any, name: str, widths: tuple) -> N
             _layer(r, processor, f"{prefix}.{attr}", f"{name}.custom_diffusion.{part}", bias=False, used=flags[flag])
     out_bias = _output(r, processor, prefix, name, used=flags["train_q_out"])
     if out_bias is not None:
-        r.custom_diffusion.append((name, flags["train_kv"], flags["train_q_out"], out_bias))
+        on = {**flags, "out_bias": out_bias}
+        r.processors.append((KIND, name, tuple(flag for flag in OPTIONS if on[flag])))
 
 
 def _layer(r: Any, processor: Any, path: str, key: str, bias: bool, used: bool) -> bool:
@@ -111,7 +124,7 @@ def _output(r: Any, processor: Any, prefix: str, name: str, used: bool) -> Any:
 
 
 def _attns(config: BlockConfig) -> str:
-    return ", ".join(spec[0] for spec in config.custom_diffusion)
+    return ", ".join(attn for kind, attn, _ in config.processors if kind == KIND)
 
 
 class CustomDiffusion(Adapter):
@@ -123,8 +136,11 @@ class CustomDiffusion(Adapter):
     def read_processor(self, r: Any, processor: Any, attn: str, widths: tuple) -> None:
         read_custom_diffusion(r, processor, attn, widths)
 
+    def own_masks(self, processor: str) -> bool:
+        return processor in self.processors  # refused (check)
+
     def untraceable(self, config: BlockConfig, casting: bool, lora_layers: Sequence[str]) -> Optional[str]:
-        if config is not None and config.custom_diffusion:  # the ops take no layers of its
+        if config is not None and _attns(config):  # the ops take no layers of its
             return (
                 f"a block with Custom Diffusion ({_attns(config)}) {_TRACED}: the custom ops take the base weights "
                 "only; call it eagerly on plain tensors"
@@ -132,7 +148,7 @@ class CustomDiffusion(Adapter):
         return None
 
     def check(self, now: Carried, masks: Mapping[str, Any]) -> None:
-        if now.config.custom_diffusion and masks:
+        if masks and _attns(now.config):
             raise UnsupportedBlockError(
                 f"{now.where}: {' and '.join(masks)} with Custom Diffusion ({_attns(now.config)}): diffusers' "
                 "CustomDiffusionAttnProcessor hands the mask, repeated per head over the batch, to the attention "

@@ -170,7 +170,7 @@ class _Reader:
         self.lora: List[Tuple[str, int, float, bool, bool]] = []
         self.ip_adapter: List[float] = []  # attn2's IP-Adapter scales (twin/ip_adapter.py; BlockConfig.ip_adapter)
         self.ip_tokens: Optional[int] = None
-        self.custom_diffusion: List[tuple] = []  # twin/custom_diffusion.py; BlockConfig.custom_diffusion
+        self.processors: List[tuple] = []  # attention processors (twin/custom_diffusion.py); BlockConfig.processors
         self.called: List[Any] = []  # what the forward calls besides modules (diffusers' processors)
 
     def no(self, reason: str) -> None:
@@ -328,7 +328,7 @@ class _Reader:
         slots, paths = [], []
         if spec is not None:
             spec = spec._replace(
-                lora=tuple(self.lora), ip_adapter=tuple(self.ip_adapter), custom_diffusion=tuple(self.custom_diffusion)
+                lora=tuple(self.lora), ip_adapter=tuple(self.ip_adapter), processors=tuple(self.processors)
             )
         if spec is not None and not self.reasons:
             for key in spec.keys:

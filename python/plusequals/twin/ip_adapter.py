@@ -182,6 +182,9 @@ class IPAdapter(Adapter):
     def read_processor(self, r: Any, processor: Any, attn: str, widths: tuple) -> None:
         read_ip_adapter(r, processor, attn)
 
+    def own_masks(self, processor: str) -> bool:
+        return processor == "IPAdapterAttnProcessor2_0"  # SDPA's masks, as the Rust block's
+
     def untraceable(self, config: BlockConfig, casting: bool, lora_layers: Sequence[str]) -> Optional[str]:
         if config is not None and config.ip_adapter:  # the ops take no image embeddings
             return "a block with an IP-Adapter (attn2) cannot be traced"

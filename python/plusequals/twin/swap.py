@@ -38,7 +38,7 @@ from .block import ADOPT, RustBlock
 from .config import rust_keys
 from .delegate import delegated_call, under_function_mode
 from .dispatch import seen_by_python, symbolic
-from .faithful import SUPPORTED_PROCESSORS, read_block
+from .faithful import ADAPTERS, SUPPORTED_PROCESSORS, read_block
 from .ip_adapter import forward_tuple
 from .probe import note_call
 
@@ -251,10 +251,8 @@ class RustTransformerBlock(RustBlock):
         it raises on a boolean one and reads a 2-d one as (queries, keys). Refused here, before
         anything runs; diffusers' UNet passes neither (a (batch, 1, keys) float bias)."""
         processor = type(getattr(self._modules.get(attn), "processor", None)).__name__
-        if processor in ("AttnProcessor2_0", "IPAdapterAttnProcessor2_0"):  # SDPA's masks
+        if processor == "AttnProcessor2_0" or any(a.own_masks(processor) for a in ADAPTERS):  # SDPA's, or refused
             return
-        if processor.startswith("CustomDiffusion"):
-            return  # no mask at all: refused with its cause (twin/custom_diffusion.py)
         what = "a boolean mask" if mask.dtype == torch.bool else "2-d (batch, keys)"
         raise UnsupportedBlockError(
             f"{self._where()}: {name} is {what}, which {attn}'s {processor} cannot take as diffusers' other "

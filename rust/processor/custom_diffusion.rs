@@ -15,22 +15,22 @@
 
 use tch::Tensor;
 
+use super::{AttnProcessor, Base, ProcessorKind, ProcessorSpec, Widths};
 use crate::error::{Error, Result};
 use crate::linear::Linear;
 use crate::weights::{WeightKey, Weights};
 
-/// Which attention carries Custom Diffusion, and which of its layers it trains.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CustomDiffusionSpec {
-    /// `attn1` or `attn2`.
-    pub attn: String,
-    pub train_kv: bool,
-    pub train_q_out: bool,
-    /// Whether `to_out_custom_diffusion.0` has a bias (diffusers' `out_bias`).
-    pub out_bias: bool,
-}
+/// Custom Diffusion in the configuration: `ProcessorSpec { kind: "custom_diffusion", .. }`, with
+/// the options `train_kv`, `train_q_out` and `out_bias` (whether `to_out_custom_diffusion.0` has a
+/// bias); an option left out is off.
+pub const KIND: ProcessorKind = ProcessorKind {
+    kind: "custom_diffusion",
+    name: "Custom Diffusion",
+    flags: &["train_kv", "train_q_out", "out_bias"],
+    load: |w, spec, widths| Ok(Box::new(CustomDiffusion::load(w, spec, widths)?)),
+};
 
-/// The processor's own layers ([`CustomDiffusionSpec`]): `None` where it uses the attention's.
+/// The processor's own layers (the spec's options): `None` where it uses the attention's.
 pub struct CustomDiffusion {
     pub to_q: Option<Linear>,
     pub to_k: Option<Linear>,
@@ -38,26 +38,10 @@ pub struct CustomDiffusion {
     pub to_out: Option<Linear>,
 }
 
-/// The attention's own layers and head count, which Custom Diffusion falls back on.
-pub struct Base<'a> {
-    pub q: &'a Linear,
-    pub k: &'a Linear,
-    pub v: &'a Linear,
-    pub out: &'a Linear,
-    pub heads: i64,
-}
-
 impl CustomDiffusion {
-    /// The layers of `prefix`'s spec in `specs`, if it has one. `(dim, context_dim, inner)`.
-    pub(crate) fn load(
-        w: &mut Weights,
-        prefix: &str,
-        (dim, context_dim, inner): (i64, i64, i64),
-        specs: &[CustomDiffusionSpec],
-    ) -> Result<Option<Self>> {
-        let Some(spec) = specs.iter().find(|s| s.attn == prefix) else {
-            return Ok(None);
-        };
+    /// The layers `spec` names, under its attention's prefix.
+    fn load(w: &mut Weights, spec: &ProcessorSpec, (dim, context_dim, inner): Widths) -> Result<Self> {
+        let prefix = &spec.attn;
         if dim != inner {
             return Err(Error::config(format!(
                 "Custom Diffusion on {prefix} needs heads * d_head ({inner}) == dim ({dim}): diffusers' processor \
@@ -68,34 +52,31 @@ impl CustomDiffusion {
         let layer = |w: &mut Weights, name: &str, shape: (i64, i64), bias: bool| {
             Linear::load(w, &format!("{p}.{name}"), shape, bias, &[])
         };
-        let (to_q, to_out) = if spec.train_q_out {
-            (Some(layer(w, "to_q", (dim, inner), false)?), Some(layer(w, "to_out.0", (inner, dim), spec.out_bias)?))
+        let (to_q, to_out) = if spec.has("train_q_out") {
+            let out_bias = spec.has("out_bias");
+            (Some(layer(w, "to_q", (dim, inner), false)?), Some(layer(w, "to_out.0", (inner, dim), out_bias)?))
         } else {
             (None, None)
         };
-        let (to_k, to_v) = if spec.train_kv {
+        let (to_k, to_v) = if spec.has("train_kv") {
             (Some(layer(w, "to_k", (context_dim, inner), false)?), Some(layer(w, "to_v", (context_dim, inner), false)?))
         } else {
             (None, None)
         };
-        Ok(Some(CustomDiffusion { to_q, to_k, to_v, to_out }))
+        Ok(CustomDiffusion { to_q, to_k, to_v, to_out })
     }
+}
 
+impl AttnProcessor for CustomDiffusion {
     /// Its weights by key (`{attn}.custom_diffusion.to_q.weight`, ...), layer by layer: to_q, to_k,
     /// to_v, to_out.0.
-    pub fn named(&self) -> impl Iterator<Item = (WeightKey<'_>, &Tensor)> {
-        [&self.to_q, &self.to_k, &self.to_v, &self.to_out].into_iter().flatten().flat_map(Linear::named)
+    fn named(&self) -> Vec<(WeightKey<'_>, &Tensor)> {
+        [&self.to_q, &self.to_k, &self.to_v, &self.to_out].into_iter().flatten().flat_map(Linear::named).collect()
     }
 
     /// diffusers' `CustomDiffusionAttnProcessor2_0.__call__`: `x` the hidden states, `context` the
     /// encoder hidden states (`None`: self-attention, no detach); a mask is an error (module docs).
-    pub fn forward(
-        &self,
-        base: &Base<'_>,
-        x: &Tensor,
-        context: Option<&Tensor>,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
+    fn forward(&self, base: &Base<'_>, x: &Tensor, context: Option<&Tensor>, mask: Option<&Tensor>) -> Result<Tensor> {
         if mask.is_some() {
             let why = "is not taken by Custom Diffusion (diffusers' processor does not view it per head)";
             return Err(Error::input("mask", why.into()));
