@@ -295,6 +295,7 @@ def test_every_target_reads_whole_at_any_width(s, width):
 
 @given(st.floats(0.001, 1000), st.floats(0.001, 1000))
 @example(0.001, 0.0010000000000000002)  # adjacent floats: "0.001" twice, before the limit took the value's digits
+@example(1.0, 0.99999)  # "1.00" and "1.000": different strings, the same number, at their own precisions
 def test_a_target_shows_the_digits_that_tell_its_value_from_its_limit(value, limit):
     """measured "1.0204" against limit "1.02", never "1.02" twice beside "missed"; and the shown
     value lies on the same side of the limit as the value itself."""

@@ -91,9 +91,12 @@ def _limit(g: dict) -> str:
 
 def _numbers(value: float, limit: float) -> tuple[str, str]:
     """``value`` and ``limit`` with the digits that tell them apart: 1.0204 against 1.02 is
-    "1.0204" and "1.02", never "1.02" twice beside a "missed"."""
-    if fmt(value) != fmt(limit) or value == limit:
-        return fmt(value), fmt(limit)
+    "1.0204" and "1.02", never "1.02" twice beside a "missed", nor 1.0 as "1.00" beside 0.99999's
+    "1.000" (each rounded at its own precision: equal, or out of order)."""
+    shown, shown_limit = fmt(value), fmt(limit)
+    apart = float(shown) != float(shown_limit) and (float(shown) <= float(shown_limit)) == (value <= limit)
+    if value == limit or apart:
+        return shown, shown_limit
     for digits in range(4, 18):  # both at the same precision: rounding keeps their order
         shown, shown_limit = f"{value:.{digits}g}", f"{limit:.{digits}g}"
         if shown != shown_limit:
