@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import inspect
 import sys
 import types
 from typing import Callable, Dict
@@ -33,9 +34,12 @@ from typing import Callable, Dict
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import rel_err
+from conftest import examples, rel_err
 from plusequals import CppBlock, RustBlock, UnsupportedBlockError, swap_transformer_blocks
 from support.sites import SCALE, TOL, Site, generated_sequences, run_sequence
 from support.sites import same_or_refused as _same_or_refused
@@ -164,6 +168,32 @@ def _hook_added(site: Site) -> Callable[[], None]:
     return handle.remove
 
 
+def _call_impl_shadowed(site: Site) -> Callable[[], None]:
+    """``_call_impl`` (which ``nn.Module.__call__`` calls by name) shadowed on the feed-forward's last
+    linear: ``self._call_impl`` finds the instance's first."""
+    lin = site.block.ff.net[2]
+    call = lin._call_impl
+    lin.__dict__["_call_impl"] = lambda *args, **kwargs: call(*args, **kwargs) * SCALE
+    return lambda: lin.__dict__.pop("_call_impl")
+
+
+def _hook_dict_replaced(site: Site) -> Callable[[], None]:
+    """The feed-forward's hook dict replaced by one that holds a hook (torch itself reassigns these
+    dicts): the dict noted empty stays empty, the attribute holds another."""
+    ff = site.block.ff
+    old = ff._forward_hooks
+    ff._forward_hooks = type(old)({0: lambda module, args, out: out * SCALE})
+    return lambda: setattr(ff, "_forward_hooks", old)
+
+
+def _compiled_call(site: Site) -> Callable[[], None]:
+    """What ``module.compile()`` sets on the feed-forward (``_compiled_call_impl``, which
+    ``nn.Module.__call__`` runs instead of ``_call_impl``), with a backend that scales."""
+    ff = site.block.ff
+    ff._compiled_call_impl = lambda *args, **kwargs: ff._call_impl(*args, **kwargs) * SCALE
+    return lambda: delattr(ff, "_compiled_call_impl")
+
+
 ROUTES: Dict[str, Callable[[Site], Callable[[], None]]] = {
     # 1. a function changed in place
     "nn.LayerNorm.forward's __code__ replaced": lambda site: _code(nn.LayerNorm.forward, _layer_norm_scaled.__code__),
@@ -186,6 +216,10 @@ ROUTES: Dict[str, Callable[[Site], Callable[[], None]]] = {
     "a forward bound on the attention's instance": _instance_forward,
     "a forward hook added to the feed-forward": _hook_added,
     "F.gelu set to a functools.partial": lambda site: _set(F, "gelu", functools.partial(F.gelu, approximate="tanh")),
+    # 6. what nn.Module's call finds on the instance: a method shadowed, a hook dict replaced, a compiled call
+    "_call_impl shadowed on the feed-forward's last linear": _call_impl_shadowed,
+    "the feed-forward's forward-hook dict replaced": _hook_dict_replaced,
+    "a compiled call set on the feed-forward": _compiled_call,
 }
 NAMES = list(ROUTES)
 
@@ -379,6 +413,106 @@ def test_an_equal_change_in_place_is_followed_on_the_hot_path():
         assert rust._entry is not None and "nn.LayerNorm.forward.__code__" in rust._follow.code_ok
     finally:
         nn.LayerNorm.forward.__code__ = old
+
+
+# ------------------------------------------------- a method of any module's class, shadowed on its instance
+
+
+def _methods_run(block: nn.Module, x: torch.Tensor, c: torch.Tensor) -> list:
+    """(path, name) of every method of a module of ``block`` that its forward runs (its own
+    ``forward`` and ``nn.Module``'s ``_call_impl`` included; dunders aside, which Python's implicit
+    calls look up on the class), recorded by a profile function."""
+    paths = {id(m): path for path, m in block.named_modules()}
+    ran = set()
+
+    def profile(frame, event, arg):
+        me = frame.f_locals.get("self") if event == "call" else None
+        if id(me) in paths and not frame.f_code.co_name.startswith("__"):  # dunders: looked up on the class
+            attr = inspect.getattr_static(type(me), frame.f_code.co_name, None)
+            if isinstance(attr, types.FunctionType) and attr.__code__ is frame.f_code:
+                ran.add((paths[id(me)], frame.f_code.co_name))
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        with torch.no_grad():
+            block(x, c)
+    finally:
+        sys.setprofile(previous)
+    return sorted(ran)
+
+
+def _scaled(result):
+    return result * SCALE if isinstance(result, torch.Tensor) and result.is_floating_point() else result
+
+
+@pytest.mark.parametrize("cls", [RustBlock, CppBlock])
+@settings(max_examples=examples(24), deadline=None)
+@given(data=st.data())
+def test_a_method_shadowed_on_an_instance_is_followed_or_refused(cls, data):
+    """Any method of a module of the block that its forward runs (``self._call_impl``, the CompVis
+    block's ``_forward``, its attention's ``attend``, ...) shadowed in the instance's dict by one
+    whose tensor results are scaled: ``self.<name>`` finds it first. Followed or refused, the
+    inputs unchanged; undone, it works again."""
+    block, rust, x, c = _small(cls)
+    path, name = data.draw(st.sampled_from(_methods_run(block, x, c)), label="method")
+    m = block.get_submodule(path)
+    method = getattr(m, name)
+    with torch.no_grad():
+        assert torch.equal(rust(x, c), block(x, c))
+        m.__dict__[name] = lambda *args, **kwargs: _scaled(method(*args, **kwargs))
+        try:
+            expected = block(x, c)
+            before = (x.clone(), c.clone())
+            try:
+                got = rust(x, c)
+            except UnsupportedBlockError as e:
+                assert torch.equal(x, before[0]) and torch.equal(c, before[1]), "a refusal changed the inputs"
+                assert f"{type(m).__qualname__}.{name}" in str(e) or "forward" in str(e), e
+            else:
+                assert rel_err(got, expected) <= TOL, f"{path}.{name} shadowed: stale"
+        finally:
+            del m.__dict__[name]
+        assert torch.equal(rust(x, c), block(x, c)), "undone, it must work again"
+
+
+class _ScaledGelu(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * SCALE if func is torch.ops.aten.gelu.default else out
+
+
+@pytest.mark.parametrize("cls", [RustBlock, CppBlock])
+def test_forward_owned_under_a_dispatch_mode_computes_the_ops_the_mode_sees(cls):
+    """A TorchDispatchMode sees the PyTorch block's ATen ops and may change them; ``forward_owned``
+    (``donate=False``) then computes as ``forward`` does, the Rust block's own ops through the mode,
+    and writes nothing in place: the PyTorch block's result under the mode, x unchanged."""
+    block, rust, x, c = _small(cls)
+    before = x.clone()
+    with torch.no_grad():
+        with _ScaledGelu():
+            expected, got, forward = block(x, c), rust.forward_owned(x, c), rust(x, c)
+        assert rel_err(expected, block(x, c)) > TOL, "the mode changes the PyTorch block"
+        assert torch.equal(got, expected) and torch.equal(forward, expected)
+        assert torch.equal(x, before)
+        assert torch.equal(rust.forward_owned(x, c), block(x, c)), "once the mode exits"
+
+
+def test_a_swapped_unet_owned_under_a_dispatch_mode_computes_what_the_mode_sees(tiny_unet):
+    """The swap with ``owned=True`` (its blocks' ``forward_owned`` under ``no_grad``), under the mode
+    above: the unswapped UNet's output under it."""
+    from support.unet import unet_inputs
+
+    unet = tiny_unet()
+    inputs = unet_inputs()
+    with torch.no_grad(), _ScaledGelu():
+        expected = unet(*inputs).sample
+    handle = swap_transformer_blocks(unet, owned=True)
+    try:
+        with torch.no_grad(), _ScaledGelu():
+            assert rel_err(unet(*inputs).sample, expected) <= TOL
+    finally:
+        handle.undo()
 
 
 # ------------------------------------------------- a dict entry; and what is out of contract
@@ -587,3 +721,59 @@ def test_out_of_contract_a_partial_rebuilt_by_setstate():
         )  # fmt: skip
     finally:
         F.gelu = original
+
+
+@OUT_OF_CONTRACT
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="3.12's recorder (sys.monitoring) runs beside cProfile")
+def test_out_of_contract_a_c_profiler_on_while_the_twin_is_checked():
+    """cProfile on while the twin is made (3.11: ``sys.setprofile`` cannot chain a C profiler): the
+    check's run is not recorded, so a global read by a helper of a wrapper set as ``F.gelu`` (which
+    only the recorded run finds) is not watched; set later, the twin is stale."""
+    import cProfile
+
+    original = F.gelu
+
+    def gelu(input, approximate="none"):
+        return original(input, approximate=approximate) * _other_helper()
+
+    def change():
+        global FACTOR2
+        FACTOR2 = SCALE
+
+    def undo():
+        global FACTOR2
+        FACTOR2 = 1.0
+
+    F.gelu = gelu
+    profiler = cProfile.Profile()
+    try:
+        profiler.enable()
+        try:
+            block, rust, x, c = _small()
+        finally:
+            profiler.disable()
+        _stale_or_not(block, rust, x, c, change, undo)
+    finally:
+        F.gelu = original
+
+
+class _GeluScaling(torch.Tensor):
+    """An input whose ``__torch_function__`` scales every ``F.gelu`` it takes part in."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * SCALE if func is F.gelu else out
+
+
+@OUT_OF_CONTRACT
+def test_out_of_contract_an_input_subclass_that_changes_the_blocks_ops():
+    """``x`` a tensor subclass whose ``__torch_function__`` scales ``F.gelu``: the PyTorch block's
+    GEGLU computes on it, while the twin runs as one custom op (``plusequals::block_forward``), which
+    is all the subclass sees."""
+    block, rust, x, c = _small()
+    xs = x.as_subclass(_GeluScaling)
+    with torch.no_grad():
+        expected = block(xs, c).as_subclass(torch.Tensor)
+        assert rel_err(expected, block(x, c)) > TOL
+        assert rel_err(rust(xs, c).as_subclass(torch.Tensor), expected) <= TOL, "stale"

@@ -10,7 +10,8 @@ The paths, in the order they are tried:
 * traced or fake (``torch.compile``, ``torch.export``, FakeTensor): the custom ops
   (:mod:`plusequals.twin.ops`), which take the weights as arguments;
 * functorch-wrapped weights: the custom op where the transform has a rule for it, else refused;
-* a mode or a tensor subclass would see the ops: the custom ops, eagerly;
+* a tensor subclass would see the ops: the custom ops, eagerly; a TorchDispatchMode sees the Rust
+  block's own ops (``forward_owned`` computes as ``forward`` then, grad off, writing nothing in place);
 * an adapter computes it, or refuses it (:mod:`plusequals.twin.adapter`);
 * ``forward_owned(donate=True)``: the donation's transaction;
 * otherwise the Rust block, eagerly.
@@ -45,7 +46,7 @@ class Path(enum.Enum):
     FUNCTORCH = "functorch"  # functorch-wrapped weights: the custom op, or refused
     SEEN = "seen"  # a mode or a subclass would see the ops: the custom ops, eagerly
     ADAPTER = "adapter"  # an adapter computes it (Route.adapter, Route.now)
-    FORWARD = "forward"  # forward_owned as forward, grad off: an adapter's inputs are forward's
+    FORWARD = "forward"  # forward_owned as forward, grad off: an adapter's inputs, or a TorchDispatchMode
     DONATE = "donate"  # forward_owned(donate=True): the donation's transaction
     RUST = "rust"  # the Rust block, eagerly
 
@@ -162,6 +163,15 @@ def route_owned(
         return Route(Path.DONATE)
     if traced:
         return Route(Path.TRACED)
-    if seen_by_python(x, context, dispatch_modes=True) or (masks and seen(masks, dispatch_modes=True)):
-        return Route(Path.SEEN)
-    return Route(Path.RUST)
+    return Route(_eager_owned(x, context, masks))
+
+
+def _eager_owned(x: Tensor, context: Any, masks: Dict[str, Tensor]) -> Path:
+    """An eager ``forward_owned``'s path: the custom ops where a tensor subclass would see the call;
+    under a TorchDispatchMode, which sees the Rust block's ops out of place as ``forward``'s (the
+    PyTorch block's), ``forward`` grad off, with no x to write; otherwise the Rust block in place."""
+    if seen_by_python(x, context, dispatch_modes=False) or (masks and seen(masks, dispatch_modes=False)):
+        return Path.SEEN
+    if seen_by_python(x, context, dispatch_modes=True):
+        return Path.FORWARD
+    return Path.RUST

@@ -9,6 +9,7 @@ Rust (``plusequals._rust.Watch``), which every call of a ``RustBlock`` compares 
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import types
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -84,6 +85,22 @@ def global_hook_kinds() -> List[str]:
         kind
         for kind, hooks in _global_hooks().items()
         if any(not observer(getattr(h, "__self__", None)) for h in hooks.values())
+    ]
+
+
+_METHODS = (types.FunctionType, staticmethod, classmethod, functools.partialmethod)
+
+
+def _shadowed(module: nn.Module) -> List[str]:
+    """The methods of ``module``'s class that a value in its instance dict shadows (``forward``
+    aside): ``self.gelu(...)``, ``self._call_impl(...)`` find the instance's first, which the
+    Rust block would bypass. Dunders are looked up on the class by Python's implicit calls."""
+    return [
+        name
+        for name in module.__dict__
+        if name != "forward"
+        and not (name.startswith("__") and name.endswith("__"))
+        and isinstance(inspect.getattr_static(type(module), name, None), _METHODS)
     ]
 
 
@@ -295,7 +312,8 @@ class Watch:
         kinds = []
         for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
             hooks = module.__dict__.get(attr)
-            if hooks is not None:
+            if hooks is not None:  # the dict itself, by identity (one set in its place), and kept empty
+                self._note(module.__dict__, attr, hooks, module, by_identity=True)
                 self.hook_dicts.append(hooks)
                 if hooks:
                     kinds.append(attr.strip("_"))
@@ -311,6 +329,9 @@ class Watch:
                 kinds.append(_DIFFUSERS_HOOKS.get(name, f"diffusers' {name!r} hook (a forward override)"))
         if self.in_dict(module, "forward") and not diffusers_hooks:  # a diffusers hook's is named above
             kinds.append("an instance-level forward override")
+        kinds += [f"an instance-level override of {type(module).__qualname__}.{name}" for name in _shadowed(module)]
+        if self.get(module, "_compiled_call_impl") is not None:  # nn.Module's own call runs it instead
+            kinds.append("a compiled call (module.compile(): torch.compile's forward)")
         return kinds
 
     def diffusers_hooks(self, module: nn.Module) -> List[str]:
