@@ -44,7 +44,7 @@ class Path(enum.Enum):
     IMAGES = "images"  # IP-Adapter's (text, [images]) context (Route.now)
     TRACED = "traced"  # traced or fake: the custom ops
     FUNCTORCH = "functorch"  # functorch-wrapped weights: the custom op, or refused
-    SEEN = "seen"  # a mode or a subclass would see the ops: the custom ops, eagerly
+    SEEN = "seen"  # a tensor subclass would see the ops: the custom ops, eagerly
     ADAPTER = "adapter"  # an adapter computes it (Route.adapter, Route.now)
     FORWARD = "forward"  # forward_owned as forward, grad off: an adapter's inputs, or a TorchDispatchMode
     DONATE = "donate"  # forward_owned(donate=True): the donation's transaction
