@@ -615,6 +615,16 @@ def _other_helper():
     return FACTOR2
 
 
+def _factor2_scaled() -> None:
+    global FACTOR2
+    FACTOR2 = SCALE
+
+
+def _factor2_back() -> None:
+    global FACTOR2
+    FACTOR2 = 1.0
+
+
 @OUT_OF_CONTRACT
 def test_out_of_contract_a_value_inside_a_dict_the_forward_reads():
     """A wrapper set as ``F.gelu`` reads ``CONFIG["scale"]``: the global ``CONFIG`` is watched (by
@@ -639,26 +649,17 @@ def test_out_of_contract_code_the_checked_run_did_not_reach():
     """A wrapper set as ``F.gelu`` (outside the packages the reading follows) calls a helper only
     on inputs of 9 tokens: no probe input ran it (5, 7, 2 tokens, and the checking call's), so the
     global it reads is not watched, and a call of 9 tokens is stale."""
-    global FACTOR2
     original = F.gelu
 
     def gelu(input, approximate="none"):
         out = original(input, approximate=approximate)
         return out * _other_helper() if input.shape[-2] == 9 else out
 
-    def change():
-        global FACTOR2
-        FACTOR2 = SCALE
-
-    def undo():
-        global FACTOR2
-        FACTOR2 = 1.0
-
     F.gelu = gelu
     try:
         block, rust, _, c = _small()
         x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(4))
-        _stale_or_not(block, rust, x, c, change, undo)
+        _stale_or_not(block, rust, x, c, _factor2_scaled, _factor2_back)
     finally:
         F.gelu = original
 
@@ -736,14 +737,6 @@ def test_out_of_contract_a_c_profiler_on_while_the_twin_is_checked():
     def gelu(input, approximate="none"):
         return original(input, approximate=approximate) * _other_helper()
 
-    def change():
-        global FACTOR2
-        FACTOR2 = SCALE
-
-    def undo():
-        global FACTOR2
-        FACTOR2 = 1.0
-
     F.gelu = gelu
     profiler = cProfile.Profile()
     try:
@@ -752,7 +745,7 @@ def test_out_of_contract_a_c_profiler_on_while_the_twin_is_checked():
             block, rust, x, c = _small()
         finally:
             profiler.disable()
-        _stale_or_not(block, rust, x, c, change, undo)
+        _stale_or_not(block, rust, x, c, _factor2_scaled, _factor2_back)
     finally:
         F.gelu = original
 
