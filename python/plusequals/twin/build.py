@@ -35,18 +35,13 @@ def validated_inner(weights: Mapping[str, Tensor], config: BlockConfig) -> Tuple
         _check_weight(key, value)
     dims = check_dims(dim=config.dim, n_heads=config.n_heads, d_head=config.d_head, context_dim=config.context_dim)
     device = _check_weight_types(weights)
-    _check_twin(config)
-    inner = _rust.Block(dict(weights), _rust.Config(**config._replace(**dims)._asdict()))
-    return inner, device
-
-
-def _check_twin(config: BlockConfig) -> None:
-    """What the C++ twin does not compute, refused naming it (rust/cpp.rs, ``CppBlock::refusal``)."""
-    if config.language != "cpp" or not (config.lora or config.processors):
-        return
-    why = _rust.Config(**config._asdict()).cpp_refusal()
+    rust_config = _rust.Config(**config._replace(**dims)._asdict())
+    # what the C++ twin does not compute, refused naming it (rust/cpp.rs, CppBlock::refusal)
+    why = rust_config.cpp_refusal() if config.language == "cpp" else None
     if why is not None:
         raise UnsupportedBlockError(why)
+    inner = _rust.Block(dict(weights), rust_config)
+    return inner, device
 
 
 def _check_weight(key: object, value: object) -> None:
