@@ -25,8 +25,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
-from conftest import make_block, make_inputs
+from conftest import examples, make_block, make_inputs
 from plusequals import CppBlock, OwnershipError, RustBlock, UnsupportedBlockError, swap_transformer_blocks
 from plusequals.twin import follow as follow_module
 from plusequals.twin.forward_code import INERT, code_reads
@@ -281,6 +283,134 @@ def test_a_swapped_unet_under_a_mode_is_the_librarys_under_it(tiny_unet):
             got = unet(*inputs).sample
         assert not torch.equal(expected, plain) and torch.equal(got, expected)
         assert torch.equal(unet(*inputs).sample, plain)
+    assert all(s.replacement._entry is not None for s in handle)
+
+
+# --------------------------------------------------------------------- input subclasses
+
+
+class LinearPlusOne(torch.Tensor):
+    """An input whose ``__torch_function__`` adds one to every ``F.linear`` it takes part in."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out + 1 if func is F.linear else out
+
+
+class GeluTwice(torch.Tensor):
+    """A wrapper whose ``__torch_dispatch__`` doubles every ``aten.gelu`` it takes part in (the
+    GEGLU's): the ATen ops it sees are the PyTorch block's, whatever calls them."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, strides=elem.stride())
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    def __repr__(self):
+        return f"GeluTwice({self.elem!r})"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.elem if isinstance(t, GeluTwice) else t  # noqa: E731
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if func is torch.ops.aten.gelu.default:
+            out = out * 2
+        return tree_map(lambda t: GeluTwice(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+SUBCLASSES = {"__torch_function__": lambda t: t.as_subclass(LinearPlusOne), "__torch_dispatch__": GeluTwice}
+
+
+def plain(t):
+    return t.elem if isinstance(t, GeluTwice) else t.as_subclass(torch.Tensor)
+
+
+@settings(max_examples=examples(24), deadline=None, derandomize=True)
+@given(
+    hook=st.sampled_from(sorted(SUBCLASSES)),
+    which=st.sampled_from(["x", "context", "both"]),
+    cls=st.sampled_from([RustBlock, CppBlock]),
+    owned=st.booleans(),
+)
+def test_an_input_subclass_that_changes_the_blocks_ops_gets_the_pytorch_blocks_result(hook, which, cls, owned):
+    """An input tensor subclass whose own ``__torch_function__`` (or ``__torch_dispatch__``) changes
+    the block's torch calls (or ATen ops) sees the PyTorch block's, which runs in the twin's place:
+    bitwise its result, of its class; with plain inputs again, the twin runs."""
+    block, x, c = small()
+    twin = cls.from_torch(block)
+    wrap = SUBCLASSES[hook]
+    xs = wrap(x) if which in ("x", "both") else x
+    cs = wrap(c) if which in ("context", "both") else c
+    with torch.no_grad():
+        expected = block(xs, cs)
+        got = twin.forward_owned(xs, cs) if owned else twin(xs, cs)
+        assert type(got) is type(expected) and torch.equal(plain(got), plain(expected)), (hook, which, owned)
+        assert not torch.equal(plain(expected), block(x, c))  # the subclass changes the PyTorch block
+        assert torch.equal(twin(x, c), block(x, c)) and twin._entry is not None
+    assert type(x) is torch.Tensor and type(c) is torch.Tensor
+
+
+@pytest.mark.parametrize("hook", sorted(SUBCLASSES))
+def test_an_input_subclass_gets_the_pytorch_blocks_gradients_and_a_donation_is_refused(hook):
+    """Under grad, the gradients are the PyTorch block's; a donation of such an input is refused
+    (the Rust ops would bypass its Python code), leaving it as it was."""
+    block, x, c = small()
+    twin = RustBlock.from_torch(block)
+    if hook == "__torch_function__":
+        grads = []
+        for module in (block, twin):
+            xg = x.clone().as_subclass(LinearPlusOne).requires_grad_()
+            module(xg, c).square().sum().backward()
+            grads.append([xg.grad] + [p.grad.clone() for p in block.parameters()])
+            block.zero_grad(set_to_none=True)
+        assert all(torch.equal(plain(a), plain(b)) for a, b in zip(*grads))
+    xs = SUBCLASSES[hook](x.clone())
+    with torch.no_grad(), pytest.raises(OwnershipError, match="tensor subclass"):
+        twin.forward_owned(xs, c, donate=True)
+    assert type(xs) in (LinearPlusOne, GeluTwice) and torch.equal(plain(xs), x)
+
+
+@pytest.mark.parametrize("hook", sorted(SUBCLASSES))
+def test_a_state_dict_blocks_input_subclass_sees_the_twin_as_one_op(hook):
+    """Built from a state dict, the twin is the only block there is: such an input sees it as one
+    custom op (``plusequals::block_forward``), which its class applies like any other op."""
+    block, x, c = small()
+    weights = {k: v.detach().clone() for k, v in block.state_dict().items()}
+    built = RustBlock.from_state_dict(weights, dim=32, n_heads=4, d_head=8, context_dim=24)
+    seen = []
+
+    class Logged(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        xs = SUBCLASSES[hook](x)
+        with Logged():
+            got = built(xs, c)
+        expected = block(x, c)
+    assert torch.equal(plain(got), expected)
+    assert any("block_forward" in op for op in seen) and not any("gelu" in op for op in seen), seen
+
+
+def test_a_swapped_unet_given_an_input_subclass_is_the_librarys(tiny_unet):
+    """The swapped tiny UNet given a sample of such a class gives the library's output for it
+    (its blocks run diffusers' forward), and the twins again for a plain sample."""
+    unet, reference = tiny_unet(), tiny_unet()
+    handle = swap_transformer_blocks(unet)
+    sample, t, context = unet_inputs()
+    for hook, wrap in SUBCLASSES.items():
+        with torch.no_grad():
+            expected = reference(wrap(sample), t, context).sample
+            got = unet(wrap(sample), t, context).sample
+            assert not torch.equal(plain(expected), reference(sample, t, context).sample), hook
+            assert torch.equal(plain(got), plain(expected)), hook
+            assert torch.equal(unet(sample, t, context).sample, reference(sample, t, context).sample)
     assert all(s.replacement._entry is not None for s in handle)
 
 

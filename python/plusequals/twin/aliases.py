@@ -288,11 +288,12 @@ TABLE = [
         _TX + ", `tests/test_never_stale.py`",
     ),
     Row(
-        "a `__torch_dispatch__` subclass as `x` or `context` (`TwoTensor`)",
+        "a `__torch_dispatch__` or `__torch_function__` subclass as `x` or `context` (`TwoTensor`)",
         "silent",
         "n/a",
-        "donation refused, naming it; `forward` and `donate=False` give the PyTorch block's `TwoTensor`",
-        "`tests/test_transaction.py`",
+        "donation refused, naming it; `forward` and `donate=False` run the PyTorch block the twin follows (its "
+        "`TwoTensor`), whose ops the subclass sees (the custom op where there is none: `from_state_dict`)",
+        "`tests/test_transaction.py`, `tests/test_never_stale.py`",
     ),
     Row(
         "a functorch wrapper as `x` (`vmap`, `jvp`, `grad`)",

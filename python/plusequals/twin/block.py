@@ -337,9 +337,12 @@ class RustBlock(nn.Module):
                     return y
         masks = masks_of(attention_mask, encoder_attention_mask)
         current = functools.partial(self._noted, x, context)
-        to = route(x, context, masks, current=current, functorch=self._functorch_weights, adapters=ADAPTERS)
+        follows = self._follow is not None
+        to = route(
+            x, context, masks, follows=follows, current=current, functorch=self._functorch_weights, adapters=ADAPTERS
+        )
         if to.path is Path.DELEGATE:
-            return delegated(self._follow, self._where(), to.modes, x, context, masks)
+            return delegated(self._follow, self._where(), to.why, x, context, masks)
         if to.path is Path.IMAGES:
             return forward_tuple(to.now, x, context, masks)
         if to.path is Path.FUNCTORCH:
@@ -385,12 +388,13 @@ class RustBlock(nn.Module):
             masks,
             donate,
             where=self._where(),
+            follows=self._follow is not None,
             current=functools.partial(self._noted, x, context),
             functorch=self._functorch_weights,
             adapters=ADAPTERS,
         )
         if to.path is Path.DELEGATE:
-            return delegated(self._follow, self._where(), to.modes, x, context, masks, owned=True)
+            return delegated(self._follow, self._where(), to.why, x, context, masks, owned=True)
         if to.path is Path.IMAGES:
             return forward_tuple(to.now, x, context, masks, donate=donate)
         if to.path is Path.FORWARD:  # an adapter's inputs are forward's: the same sums, grad off

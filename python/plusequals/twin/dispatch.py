@@ -13,7 +13,7 @@ from typing import Any, List, Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["autocast_dtype", "seen_by_python", "symbolic", "tracing_tensor", "why_not_donatable"]
+__all__ = ["autocast_dtype", "own_hook", "seen_by_python", "symbolic", "tracing_tensor", "why_not_donatable"]
 
 _MODE_KEYS = tuple(
     getattr(torch._C._TorchDispatchModeKey, k)
@@ -36,6 +36,20 @@ def plain_torch_function(cls: type) -> bool:
     (which only converts the results to ``cls``) or the disabled one (``nn.Parameter``'s)."""
     tf = _func(cls.__torch_function__)
     return tf is _TENSOR_TF or tf is torch._C._disabled_torch_function_impl
+
+
+def own_hook(cls: type) -> Optional[str]:
+    """The hook through which a tensor subclass's own Python code sees the ops it takes part in
+    (``"__torch_dispatch__"``: ATen ops; ``"__torch_function__"``: torch calls), or None where its
+    ops are libtorch's own (a plain tensor, ``nn.Parameter``, a subclass that only converts
+    results) or ``cls`` is no tensor's."""
+    if cls in _PLAIN or not issubclass(cls, Tensor):
+        return None
+    if cls.__torch_dispatch__ is not Tensor.__torch_dispatch__:
+        return "__torch_dispatch__"
+    if not plain_torch_function(cls):
+        return "__torch_function__"
+    return None
 
 
 def converts_results(cls: type) -> bool:
@@ -118,15 +132,15 @@ def why_not_donatable(x: Tensor, context: Optional[Tensor]) -> Optional[tuple]:
             names,
         )
     for name, t in (("x", x), ("context", context)):
-        if t is not None and type(t) not in _PLAIN:
-            reason = _subclass_reason(name, type(t))
-            if reason:
-                return reason
+        reason = _subclass_reason(name, type(t))
+        if reason:
+            return reason
     return None
 
 
 def _subclass_reason(name: str, cls: type) -> Optional[tuple]:
-    if cls.__torch_dispatch__ is not Tensor.__torch_dispatch__:
+    hook = own_hook(cls)
+    if hook == "__torch_dispatch__":
         return (
             name,
             "python_subclass",
@@ -134,7 +148,7 @@ def _subclass_reason(name: str, cls: type) -> Optional[tuple]:
             "its Python code would be handed x by the in-place ops, and may keep it",
             [],
         )
-    if not plain_torch_function(cls):
+    if hook == "__torch_function__":
         return (
             name,
             "torch_function_subclass",

@@ -4,27 +4,30 @@ return a :class:`Route`, or raise the refusal.
 
 The paths, in the order they are tried:
 
-* a user's TorchFunctionMode is active: the PyTorch block runs in the twin's place
-  (:mod:`plusequals.twin.delegate`);
+* a user's TorchFunctionMode is active, or (where the twin follows a PyTorch block) an input is a
+  tensor subclass with its own ``__torch_function__`` or ``__torch_dispatch__``: the PyTorch
+  block runs in the twin's place (:mod:`plusequals.twin.delegate`);
 * IP-Adapter's ``(text, [images])`` context (:mod:`plusequals.twin.ip_adapter`);
 * traced or fake (``torch.compile``, ``torch.export``, FakeTensor): the custom ops
   (:mod:`plusequals.twin.ops`), which take the weights as arguments;
 * functorch-wrapped weights: the custom op where the transform has a rule for it, else refused;
-* a tensor subclass would see the ops: the custom ops, eagerly; a TorchDispatchMode sees the Rust
+* a tensor subclass would see the ops (one that converts results, or any where the twin follows
+  no PyTorch block): the custom ops, eagerly; a TorchDispatchMode sees the Rust
   block's own ops (``forward_owned`` computes as ``forward`` then, grad off, writing nothing in place);
 * an adapter computes it, or refuses it (:mod:`plusequals.twin.adapter`);
 * ``forward_owned(donate=True)``: the donation's transaction;
 * otherwise the Rust block, eagerly.
 
-It sees the block only through what it is given: ``current`` (the block read again if it changed,
-as an adapter sees it; None when it follows no module), ``functorch`` (whether its weights are
+It sees the block only through what it is given: ``follows`` (whether it follows a PyTorch
+block), ``current`` (the block read again if it changed, as an adapter sees it; None when it
+follows no module), ``functorch (whether its weights are
 functorch-wrapped now) and the adapters.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -32,7 +35,7 @@ from torch import Tensor
 from ..errors import UnsupportedBlockError
 from .adapter import Adapter, Carried
 from .arguments import check_tensor, pair, refuse_grad, seen
-from .delegate import under_function_mode
+from .delegate import why_delegated
 from .dispatch import seen_by_python, symbolic
 from .ip_adapter import takes_images
 
@@ -40,7 +43,7 @@ __all__ = ["Path", "Route", "route", "route_owned"]
 
 
 class Path(enum.Enum):
-    DELEGATE = "delegate"  # a user's TorchFunctionMode: the PyTorch block runs (modes: Route.modes)
+    DELEGATE = "delegate"  # a user's TorchFunctionMode, or an input subclass: the PyTorch block runs (Route.why)
     IMAGES = "images"  # IP-Adapter's (text, [images]) context (Route.now)
     TRACED = "traced"  # traced or fake: the custom ops
     FUNCTORCH = "functorch"  # functorch-wrapped weights: the custom op, or refused
@@ -55,7 +58,7 @@ class Route(NamedTuple):
     """Where a call goes (:class:`Path`), with what that path needs."""
 
     path: Path
-    modes: Sequence[str] = ()  # DELEGATE: the active modes, by name
+    why: str = ""  # DELEGATE: why the PyTorch block runs (twin/delegate.py)
     now: Optional[Carried] = None  # IMAGES, ADAPTER: the block as the adapter sees it
     adapter: Optional[Adapter] = None  # ADAPTER: the adapter that computes it
 
@@ -86,14 +89,15 @@ def route(
     context: Any,
     masks: Dict[str, Tensor],
     *,
+    follows: bool,
     current: Current,
     functorch: Callable[[], bool],
     adapters: Sequence[Adapter],
 ) -> Route:
     """``forward``'s route (module docstring)."""
-    modes: List[str] = under_function_mode(x, context)  # which would see the PyTorch block's calls: it runs
-    if modes:
-        return Route(Path.DELEGATE, modes)
+    why = why_delegated(x, context, masks, follows)  # Python code would see the PyTorch block's calls: it runs
+    if why is not None:
+        return Route(Path.DELEGATE, why)
     images = _images(context, current)
     if images is not None:
         return images
@@ -122,16 +126,17 @@ def route_owned(
     donate: bool,
     *,
     where: str,
+    follows: bool,
     current: Current,
     functorch: Callable[[], bool],
     adapters: Sequence[Adapter],
 ) -> Route:
     """``forward_owned``'s route (module docstring): grad off, and a donation refused wherever it
     cannot be one transaction."""
-    modes = [] if donate else under_function_mode(x, context)  # a donation under one: refused (_donate)
-    if modes:
+    why = None if donate else why_delegated(x, context, masks, follows)  # a donation there: refused (_donate)
+    if why is not None:
         refuse_grad(x, context if isinstance(context, Tensor) else None)
-        return Route(Path.DELEGATE, modes)
+        return Route(Path.DELEGATE, why)
     images = _images(context, current)  # forward's sums, grad off
     if images is not None:
         return images

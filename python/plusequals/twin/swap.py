@@ -36,7 +36,7 @@ from ..errors import UnsupportedBlockError
 from . import casting
 from .block import ADOPT, RustBlock
 from .config import rust_keys
-from .delegate import delegated_call, under_function_mode
+from .delegate import delegated_call, why_delegated
 from .dispatch import seen_by_python, symbolic
 from .faithful import ADAPTERS, SUPPORTED_PROCESSORS, read_block
 from .ip_adapter import forward_tuple
@@ -150,13 +150,13 @@ class RustTransformerBlock(RustBlock):
     ) -> Tensor:
         # timestep, class_labels and added_cond_kwargs are read only by the ada-norm kinds;
         # diffusers' block of the layer_norm kind ignores them, and so does this one.
-        modes = under_function_mode(hidden_states, encoder_hidden_states)
-        if modes:  # which would see the library's block's calls: it runs, with these arguments (twin/delegate.py)
+        masks = {"attention_mask": attention_mask, "encoder_attention_mask": encoder_attention_mask}
+        why = why_delegated(hidden_states, encoder_hidden_states, masks, follows=self._follow is not None)
+        if why is not None:  # Python code would see the library's block's calls: it runs, with these arguments
             kw = dict(attention_mask=attention_mask, encoder_hidden_states=encoder_hidden_states, timestep=timestep)
             kw.update(encoder_attention_mask=encoder_attention_mask, cross_attention_kwargs=cross_attention_kwargs)
             kw.update(class_labels=class_labels, added_cond_kwargs=added_cond_kwargs, **kwargs)
-            return delegated_call(self._follow, self._where(), modes, (hidden_states,), kw)
-        masks = {"attention_mask": attention_mask, "encoder_attention_mask": encoder_attention_mask}
+            return delegated_call(self._follow, self._where(), why, (hidden_states,), kw)
         pair = isinstance(encoder_hidden_states, (tuple, list)) and len(encoder_hidden_states) > 0
         context = encoder_hidden_states[0] if pair else encoder_hidden_states
         cast = self._layerwise_casting(call=(hidden_states, context))
