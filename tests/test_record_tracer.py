@@ -125,10 +125,11 @@ def test_a_python_profiler_already_set_sees_every_event_and_is_put_back(monkeypa
     assert any(f.f_code is inner.__code__ for f in frames)
 
 
-def test_under_cprofile_the_twin_is_made_unrecorded_and_cprofile_keeps_profiling(monkeypatch):
+def test_under_cprofile_the_trace_function_records_and_cprofile_keeps_profiling(monkeypatch):
     """3.11's path under cProfile (a profiler in C: Python cannot call what ``sys.getprofile()``
-    gives): nothing is recorded, and the profiler is left as it was, profiling, through
-    ``from_torch`` (which used to fail its probe with "'Profile' object is not callable")."""
+    gives): the trace function records the frames instead, and is taken off after; the profiler
+    is left as it was, profiling, through ``from_torch`` (which used to fail its probe with
+    "'Profile' object is not callable")."""
     from plusequals import RustBlock
     from plusequals.model.blocks import BasicTransformerBlock
 
@@ -141,17 +142,53 @@ def test_under_cprofile_the_twin_is_made_unrecorded_and_cprofile_keeps_profiling
     def after():
         return 2
 
+    def inner():
+        return 1
+
+    frames = []
     profiler = cProfile.Profile()
     profiler.enable()
     try:
-        assert record._start(lambda frame: None) is None
         held = sys.getprofile()
+        stop = record._start(frames.append)
+        inner()
+        stop()
+        assert sys.getprofile() is held and sys.gettrace() is None
         twin = RustBlock.from_torch(block)
-        assert sys.getprofile() is held
+        assert sys.getprofile() is held and sys.gettrace() is None
         after()
     finally:
         profiler.disable()
+    assert any(f.f_code is inner.__code__ for f in frames)
+    assert twin._follow.ran is not None, "the check's run was recorded"
     with torch.no_grad():
         torch.testing.assert_close(twin(x, c), block(x, c), rtol=1e-5, atol=1e-6)
     names = {fn for (_, _, fn) in pstats.Stats(profiler).stats}
     assert {"after", "from_torch"} <= names
+
+
+def test_under_cprofile_and_a_tracer_nothing_is_recorded_and_both_are_left(monkeypatch):
+    """3.11's path with both functions held (cProfile's, and a debugger's or coverage's trace
+    function): nothing is recorded, and both are left as they were, seeing every call."""
+    monkeypatch.delattr(sys, "monitoring", raising=False)
+    traced = []
+
+    def theirs(frame, event, arg):
+        traced.append((frame.f_code.co_name, event))
+
+    def inner():
+        return 1
+
+    profiler = cProfile.Profile()
+    sys.settrace(theirs)
+    profiler.enable()
+    try:
+        held = sys.getprofile()
+        assert record._start(lambda frame: None) is None
+        inner()
+        assert sys.getprofile() is held and sys.gettrace() is theirs
+    finally:
+        profiler.disable()
+        sys.settrace(None)
+    assert ("inner", "call") in traced
+    assert "inner" in {fn for (_, _, fn) in pstats.Stats(profiler).stats}

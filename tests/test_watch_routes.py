@@ -724,12 +724,11 @@ def test_out_of_contract_a_partial_rebuilt_by_setstate():
         F.gelu = original
 
 
-@OUT_OF_CONTRACT
-@pytest.mark.skipif(sys.version_info >= (3, 12), reason="3.12's recorder (sys.monitoring) runs beside cProfile")
-def test_out_of_contract_a_c_profiler_on_while_the_twin_is_checked():
-    """cProfile on while the twin is made (3.11: ``sys.setprofile`` cannot chain a C profiler): the
-    check's run is not recorded, so a global read by a helper of a wrapper set as ``F.gelu`` (which
-    only the recorded run finds) is not watched; set later, the twin is stale."""
+def test_a_c_profiler_on_while_the_twin_is_checked():
+    """cProfile on while the twin is made: a global read by a helper of a wrapper set as ``F.gelu``
+    (which only the recorded run finds) is watched, changed later it is followed or refused. On
+    3.11 ``sys.setprofile`` cannot chain a C profiler, and the trace function records the check's
+    run instead; 3.12's recorder (``sys.monitoring``) runs beside it."""
     import cProfile
 
     original = F.gelu

@@ -3,7 +3,8 @@
 The reading (:mod:`plusequals.twin.forward_code`) derives the watch from the forward's code, to a bound
 (three calls deep, within torch and the block's packages) and without following data (a function
 taken from a dict: ``STRATEGIES[residual]``). At check time, the probe runs the PyTorch block
-once anyway: under a recorder (``sys.monitoring`` on 3.12+, ``sys.setprofile`` on 3.11), that run
+once anyway: under a recorder (``sys.monitoring`` on 3.12+, ``sys.setprofile`` on 3.11, or
+``sys.settrace`` there while a profiler written in C holds the profile function), that run
 also says which Python code it executed, in which globals. :meth:`Ran.reads` turns it into more of
 the watch, from the values there now:
 
@@ -208,7 +209,8 @@ def _runs(value: Any, code: types.CodeType) -> bool:
 
 class Recorder:
     """Records the Python code calls run (:meth:`call`), as one :class:`Ran` (:attr:`ran`;
-    None where nothing could be recorded: another tool holds every ``sys.monitoring`` id). The
+    None where nothing could be recorded: another tool holds every ``sys.monitoring`` id, or on
+    3.11 a C profiler the profile function and a tracer the trace function). The
     functions of ``known`` (the reading's, watched already) are not looked for.
 
     ``proven``: the last run the probe proved equal; its ATen ops (:attr:`proven`, a
@@ -293,12 +295,12 @@ def _receiver(frame: types.FrameType) -> Optional[type]:
 
 def _profile(started) -> Optional[Callable[[], None]]:
     """3.11: ``sys.setprofile`` for this thread, chained to a Python profiler already set; returns
-    the function that puts the previous one back. None where a profiler written in C is set
-    (cProfile's: ``sys.getprofile()`` gives its object, which Python cannot call): it is left
-    alone, profiling, and nothing is recorded."""
+    the function that puts the previous one back. Where a profiler written in C is set
+    (cProfile's: ``sys.getprofile()`` gives its object, which Python cannot call), it is left
+    alone, profiling, and the trace function records instead (:func:`_trace`)."""
     previous = sys.getprofile()
     if previous is not None and not callable(previous):
-        return None
+        return _trace(started)
 
     def profile(frame, event, arg):
         if event == "call":
@@ -308,6 +310,23 @@ def _profile(started) -> Optional[Callable[[], None]]:
 
     sys.setprofile(profile)
     return lambda: sys.setprofile(previous)
+
+
+def _trace(started) -> Optional[Callable[[], None]]:
+    """3.11 under a C profiler: ``sys.settrace`` for this thread, its ``call`` events only (no
+    local trace function: no line events); returns the function that takes it off. None where a
+    trace function is set already (a debugger's, coverage's): it is left alone, and nothing is
+    recorded."""
+    if sys.gettrace() is not None:
+        return None
+
+    def trace(frame, event, arg):
+        if event == "call":
+            started(frame)
+        return None
+
+    sys.settrace(trace)
+    return lambda: sys.settrace(None)
 
 
 def _start(started, monitoring: Any = None) -> Optional[Callable[[], None]]:
