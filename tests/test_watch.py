@@ -229,6 +229,40 @@ def test_functions_changed_in_place_agree_with_the_oracle(direct, steps):
             assert rust.unchanged() == oracle(), (op, "after the undo")
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["in place", "getattr"])
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from("ABC"), st.sampled_from(["X", "Y", "parent"])), max_size=8))
+def test_a_classs_bases_reassigned_is_a_change_of_every_class_below_it(direct, steps):
+    """``__bases__`` reassigned on a noted class or any class above it (to another base, or back):
+    the noted class gets a new ``__mro__``, and the watch says changed exactly when it is not the
+    tuple read (a static type, whose bases cannot be reassigned, is not compared)."""
+
+    class X:
+        pass
+
+    class Y:
+        pass
+
+    class A(X):
+        pass
+
+    class B(A):
+        pass
+
+    class C(B):
+        pass
+
+    parents = {"A": X, "B": A, "C": B}
+    classes = {"A": A, "B": B, "C": C}
+    rust = _rust.Watch(same=[], classes=[(C(), C), (1, int)], sizes=[], empty=[], keys=[], direct=direct)
+    assert rust.mros == ((1, 0) if direct else (0, 1))
+    read = C.__mro__
+    assert rust.unchanged()
+    for name, base in steps:
+        classes[name].__bases__ = (parents[name] if base == "parent" else {"X": X, "Y": Y}[base],)
+        assert rust.unchanged() == (C.__mro__ is read), (name, base)
+
+
 def _block_of_a_class_of_its_own(n: int):
     """``n`` blocks of a new subclass of the block: no reading of its MRO was made before."""
     cls = type("OwnBlock", (BasicTransformerBlock,), {})

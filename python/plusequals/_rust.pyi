@@ -72,6 +72,9 @@ class Watch:
     # (function fields and cells compared in place, functions compared through getattr)
     @property
     def functions(self) -> Tuple[int, int]: ...
+    # (classes' MROs compared in place, classes' MROs compared through getattr)
+    @property
+    def mros(self) -> Tuple[int, int]: ...
 
 @final
 class Entry:

@@ -19,8 +19,10 @@ type State = Vec<Option<Py<PyAny>>>;
 /// dicts holding the keys they held, and each watched list holding the items it held (PEFT's
 /// `merged_adapters`, a list of active adapters), and each Python function the forward's code runs
 /// holding the code, defaults and closure-cell contents it held (a function changed in place:
-/// `f.__code__ = ...`, `f.__defaults__ = ...`, a cell's `cell_contents` set). A change raises
-/// `StaleBlock` before anything else runs.
+/// `f.__code__ = ...`, `f.__defaults__ = ...`, a cell's `cell_contents` set), and each noted class
+/// that Python code can change keeping the MRO it had (a `__bases__` reassigned on it or on any of
+/// its bases gives it a new `__mro__` tuple). A change raises `StaleBlock` before anything else
+/// runs.
 ///
 /// Where CPython keeps a dict's version tag (PEP 509, CPython 3.11 to 3.13), the compare has a
 /// shortcut: every dict's tag, one integer per dict, as it was at the last full compare that found
@@ -29,7 +31,7 @@ type State = Vec<Option<Py<PyAny>>>;
 /// runs the full compare (a value set to itself, a key removed and put back: not a change). A
 /// function's state is in no dict: its fields are compared on every call, each a pointer read at an
 /// address held since the reading ([`FunctionHead`], checked at run time; through `getattr` where this
-/// Python's layout is another).
+/// Python's layout is another). So is a class's MRO: its `tp_mro` field ([`mro_offset`]).
 ///
 /// It holds the module's own objects (a RustBlock's watch holds the RustBlock), so it takes part
 /// in Python's garbage collection (`__traverse__`, `__clear__`) like any container.
@@ -41,12 +43,18 @@ pub(super) struct PyWatch {
     empty: Vec<Py<PyDict>>,
     keys: Vec<(Py<PyDict>, Vec<Py<PyAny>>)>,
     lists: Vec<(Py<PyList>, Vec<Py<PyAny>>)>,
-    /// Each watched function's settable fields and its cells' contents, in place: (the field's
-    /// address, the object it held at the reading), compared on every call.
+    /// Each watched function's settable fields and its cells' contents, and each noted heap
+    /// class's `tp_mro`, in place: (the field's address, the object it held at the reading),
+    /// compared on every call.
     slots: Vec<(usize, usize)>,
-    /// The functions and cells those addresses lie in, and the objects they held: kept alive, so
-    /// that no address is reused while watched.
+    /// How many of `slots` are functions' (the rest are classes' MROs).
+    function_slots: usize,
+    /// The functions, cells and classes those addresses lie in, and the objects they held: kept
+    /// alive, so that no address is reused while watched.
     held: Vec<Py<PyAny>>,
+    /// Where the type layout is unknown: each noted heap class and its `__mro__`, compared
+    /// through `getattr`.
+    mros: Vec<(Py<PyType>, Py<PyAny>)>,
     /// Where the layout is not [`FunctionHead`]'s: each function and its state read through
     /// `getattr` ([`state_of`]), compared the same way, more slowly.
     read: Vec<(Py<PyAny>, State)>,
@@ -90,15 +98,23 @@ impl PyWatch {
                 _ => read.push((f.clone().unbind(), state_of(&f)?)),
             }
         }
+        let function_slots = slots.len();
+        let mros = mros_in_place(py, &classes, direct, &mut slots, &mut held)?;
         slots.sort_unstable(); // in address order: the per-call reads walk memory one way
-        Ok(PyWatch { same, classes, sizes, empty, keys, lists, slots, held, read, tags })
+        Ok(PyWatch { same, classes, sizes, empty, keys, lists, slots, function_slots, held, mros, read, tags })
     }
 
     /// How many function fields and cells are compared in place, and how many functions through
     /// `getattr`.
     #[getter]
     fn functions(&self) -> (usize, usize) {
-        (self.slots.len(), self.read.len())
+        (self.function_slots, self.read.len())
+    }
+
+    /// How many classes' MROs are compared in place, and how many through `getattr`.
+    #[getter]
+    fn mros(&self) -> (usize, usize) {
+        (self.slots.len() - self.function_slots, self.mros.len())
     }
 
     /// How many dicts the version-tag shortcut covers (0 where this Python has no tags).
@@ -147,13 +163,17 @@ impl PyWatch {
                 visit.call(value)?;
             }
         }
+        for (cls, mro) in &self.mros {
+            visit.call(cls)?;
+            visit.call(mro)?;
+        }
         Ok(())
     }
 
     fn __clear__(&mut self) {
         (self.same, self.classes, self.sizes, self.empty, self.keys, self.lists) = Default::default();
         self.slots = Vec::new(); // before what they point into
-        (self.held, self.read, self.tags) = Default::default();
+        (self.held, self.read, self.mros, self.tags) = Default::default();
     }
 
     /// Whether everything is as it was read (stops at the first difference). A cleared watch
@@ -173,7 +193,9 @@ impl PyWatch {
         let same_classes = self.classes.iter().all(|(obj, cls)| type_of(obj) == cls.as_ptr().cast());
         // Branch-free: every slot is read whatever the others hold (no early exit to predict).
         let moved = self.slots.iter().fold(0, |acc, &(at, was)| acc | (unsafe { *(at as *const usize) } ^ was));
-        let same_functions = moved == 0 && self.read.iter().all(|(f, was)| same_state(f.bind(py), was));
+        let same_functions = moved == 0
+            && self.read.iter().all(|(f, was)| same_state(f.bind(py), was))
+            && self.mros.iter().all(|(cls, was)| cls.bind(py).getattr("__mro__").is_ok_and(|now| now.is(was)));
         let same_lists = self.lists.iter().all(|(l, items)| {
             let l = l.bind(py);
             l.len() == items.len() && l.iter().zip(items).all(|(now, was)| now.is(was))
@@ -302,20 +324,101 @@ struct CellHead {
     contents: *mut pyo3::ffi::PyObject,
 }
 
+/// Adds the pointer field at `at` to `slots`, with what it holds now, held in `held` (NULL: none).
+///
+/// # Safety
+/// `at` is a pointer field of a live object that `held` holds (or will hold) while `slots` is read.
+unsafe fn hold_slot(
+    py: Python<'_>,
+    at: *const *mut pyo3::ffi::PyObject,
+    slots: &mut Vec<(usize, usize)>,
+    held: &mut Vec<Py<PyAny>>,
+) {
+    // SAFETY: the caller's: `at` is a pointer field of a live object, read under the GIL.
+    let was = unsafe { *at };
+    if !was.is_null() {
+        // SAFETY: a live object the field holds a reference to; we take one of our own.
+        held.push(unsafe { Py::from_borrowed_ptr(py, was) });
+    }
+    slots.push((at as usize, was as usize));
+}
+
+/// Adds the `tp_mro` of each heap class in `classes` (once each) to `slots`, holding the class and
+/// its MRO in `held`, where [`mro_offset`] knows the layout (and `direct`); else returns each with
+/// its `__mro__`, to compare through `getattr`. A static type's bases cannot be reassigned.
+fn mros_in_place(
+    py: Python<'_>,
+    classes: &[(Py<PyAny>, Py<PyType>)],
+    direct: bool,
+    slots: &mut Vec<(usize, usize)>,
+    held: &mut Vec<Py<PyAny>>,
+) -> PyResult<Vec<(Py<PyType>, Py<PyAny>)>> {
+    let offset = if direct { mro_offset(py) } else { None };
+    let mut seen = std::collections::HashSet::new();
+    let mut mros = Vec::new();
+    for (_, cls) in classes {
+        let cls = cls.bind(py);
+        // SAFETY: a live type object, under the GIL.
+        let heap = unsafe { pyo3::ffi::PyType_GetFlags(cls.as_ptr().cast()) } & pyo3::ffi::Py_TPFLAGS_HEAPTYPE != 0;
+        if !heap || !seen.insert(cls.as_ptr()) {
+            continue;
+        }
+        match offset {
+            Some(offset) => {
+                // SAFETY: `tp_mro` of a live type object (the offset checked by `mro_offset`), held below.
+                unsafe { hold_slot(py, cls.as_ptr().cast::<u8>().add(offset).cast(), slots, held) };
+                held.push(cls.clone().into_any().unbind());
+            }
+            None => mros.push((cls.clone().unbind(), cls.getattr("__mro__")?.unbind())),
+        }
+    }
+    Ok(mros)
+}
+
+/// Where a type object keeps its `tp_mro` on this Python (a byte offset), found once on classes
+/// made here: the one pointer field of a heap type that is its `__mro__`, and is its new
+/// `__mro__` after its `__bases__` is reassigned. None where no such field is found, or on a
+/// Python whose layout was not checked.
+fn mro_offset(py: Python<'_>) -> Option<usize> {
+    static OFFSET: GILOnceCell<Option<usize>> = GILOnceCell::new();
+    *OFFSET.get_or_init(py, || {
+        let version = py.version_info();
+        let known = ((3, 11)..(3, 15)).contains(&(version.major, version.minor));
+        known.then(|| probe_mro_offset(py).ok().flatten()).flatten()
+    })
+}
+
+fn probe_mro_offset(py: Python<'_>) -> PyResult<Option<usize>> {
+    let globals = PyDict::new(py);
+    py.run(c"class A: pass\nclass B: pass\nclass C(A): pass\n", Some(&globals), None)?;
+    let (Some(b), Some(c)) = (globals.get_item("B")?, globals.get_item("C")?) else {
+        return Ok(None);
+    };
+    // A heap type's object is `type.__basicsize__` bytes long (CPython's PyHeapTypeObject).
+    let words = py.get_type::<PyType>().getattr("__basicsize__")?.extract::<usize>()? / size_of::<usize>();
+    let base = c.as_ptr().cast::<usize>();
+    // SAFETY: `c` is a live heap type of `words` pointer-sized words, read under the GIL; each word
+    // is only compared with an address.
+    let word = |i: usize| unsafe { *base.add(i) };
+    let before = c.getattr("__mro__")?; // held: its address cannot be reused by the new one
+    let hits: Vec<usize> = (0..words).filter(|&i| word(i) == before.as_ptr() as usize).collect();
+    let [i] = hits[..] else {
+        return Ok(None);
+    };
+    c.setattr("__bases__", (b,))?;
+    let after = c.getattr("__mro__")?;
+    let moved = !after.is(&before) && word(i) == after.as_ptr() as usize;
+    Ok(moved.then_some(i * size_of::<usize>()))
+}
+
 /// Adds `f`'s settable fields (`__code__`, `__defaults__`, `__kwdefaults__`) and its cells'
 /// contents to `slots`, holding `f`, its cells and what each held in `held` (only called with a
 /// function of [`function_type`]'s, whose layout was checked).
 fn in_place(f: &Bound<'_, PyAny>, slots: &mut Vec<(usize, usize)>, held: &mut Vec<Py<PyAny>>) -> PyResult<()> {
     let py = f.py();
-    let mut slot = |at: *const *mut pyo3::ffi::PyObject, held: &mut Vec<Py<PyAny>>| {
-        // SAFETY: `at` is a pointer field of a live function or cell (held below), read under the GIL.
-        let was = unsafe { *at };
-        if !was.is_null() {
-            // SAFETY: a live object the field holds a reference to; we take one of our own.
-            held.push(unsafe { Py::from_borrowed_ptr(py, was) });
-        }
-        slots.push((at as usize, was as usize));
-    };
+    // SAFETY: `at` is a pointer field of a live function or cell (held below), read under the GIL.
+    let mut slot =
+        |at: *const *mut pyo3::ffi::PyObject, held: &mut Vec<Py<PyAny>>| unsafe { hold_slot(py, at, slots, held) };
     let head = f.as_ptr().cast::<FunctionHead>();
     // SAFETY: `f` is a function (checked by the caller), whose layout `function_type` checked.
     unsafe {
