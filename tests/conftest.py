@@ -1,3 +1,4 @@
+import contextlib
 import os
 import shutil
 import subprocess
@@ -59,7 +60,9 @@ def pytest_configure(config):
     compiled in the process that compiles. Its default, a pool of compile workers started for each
     compile, costs a Python start per worker (about 2 s of CPU each), which a warm cache never uses:
     test_compiled_bugs.py alone took 70 s of CPU with the pool, 35 s without. Neither changes a
-    kernel: the cache is keyed by the graph, Inductor's config and torch's version.
+    kernel: the cache is keyed by the graph, Inductor's config and torch's version. Inductor's
+    vector-ISA checks (ten Python starts, 11 s of CPU in each process that compiles) are remembered
+    once passed, as the report does (plusequals.bench.inductor.isa_checks_remembered).
 
     JAX's compiled executables, kept the same way (CACHE/jax): every compile, however short (by
     default JAX keeps only those that took a second or more, and the tests' are all shorter), so
@@ -83,6 +86,10 @@ def pytest_configure(config):
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
+    from plusequals.bench.inductor import isa_checks_remembered
+
+    config._isa_checks = contextlib.ExitStack()
+    config._isa_checks.enter_context(isa_checks_remembered())
 
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
@@ -105,6 +112,8 @@ def _whole(config) -> bool:
 
 
 def pytest_unconfigure(config):
+    if hasattr(config, "_isa_checks"):
+        config._isa_checks.close()
     proc = getattr(config, "_quick_report", None)
     if proc is not None:
         if proc.poll() is None:

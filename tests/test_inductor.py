@@ -169,3 +169,33 @@ def test_step_ratio_is_the_per_step_ratio_the_report_already_gives():
             assert step_ratio(results, batch, variant, results.reference) == pytest.approx(step.vs_reference, rel=1e-12)
             checked += 1
     assert checked > 10
+
+
+def test_a_passed_isa_check_is_remembered_and_a_failed_one_runs_again(monkeypatch, tmp_path):
+    """``isa_checks_remembered``: a check that passed passes at once after, in this process and
+    in the next (remembered in the Inductor cache dir in use), keyed by the check's code and the
+    ISA's flags; one that failed runs again each time; another cache dir checks again; outside
+    the context the check is torch's own."""
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    runs = []
+
+    def check(isa, code):
+        runs.append((str(isa), code))
+        return code != "fails"
+
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", check)
+    avx2, avx512 = cpu_vec_isa.VecAVX2(), cpu_vec_isa.VecAVX512()
+    with temporary_cache_dir(str(tmp_path / "a")):
+        with inductor.isa_checks_remembered():
+            assert cpu_vec_isa.VecISA.check_build is not check
+            assert avx2.check_build("passes") and avx2.check_build("passes")
+            assert not avx2.check_build("fails") and not avx2.check_build("fails")
+            assert avx512.check_build("passes")
+        assert cpu_vec_isa.VecISA.check_build is check
+        with inductor.isa_checks_remembered():  # as the next process: from the cache dir
+            assert avx2.check_build("passes") and avx512.check_build("passes")
+    with temporary_cache_dir(str(tmp_path / "b")), inductor.isa_checks_remembered():
+        assert avx2.check_build("passes")
+    assert runs == [("avx2", "passes"), ("avx2", "fails"), ("avx2", "fails"), ("avx512", "passes"), ("avx2", "passes")]

@@ -15,10 +15,14 @@ residual sum, and where that tensor came from says where the add wrote:
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from pathlib import Path
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -44,6 +48,43 @@ class Residual:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+@contextlib.contextmanager
+def isa_checks_remembered() -> Iterator[None]:
+    """While it is entered, each of Inductor's vector-ISA checks that passed once is not run again.
+
+    Before it first compiles C++ kernels, a process checks each vector ISA it may compile for
+    (AVX2, AVX-512, AMX: ten checks on this project's host) by building a small library (cached
+    by torch, with its kernels) and loading it in a new ``python -c "import torch; ..."``: 1.1 s
+    of CPU each, 11 s of a quick smoke report's 46 (pytorch/pytorch#100378). Whether that library
+    loads depends only on what built it and what loads it, so a check that passed is remembered
+    in Inductor's cache dir, keyed by the check's code, torch's fingerprint of the compiler, the
+    flags and torch's version, and the interpreter; a later check of the same key passes at once.
+    A check that failed is not remembered: it runs again each time, as without this. Which ISAs
+    pass, and so every kernel, is what the checks would give."""
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    check = cpu_vec_isa.VecISA.check_build
+
+    def check_build(isa: "cpu_vec_isa.VecISA", code: str) -> bool:
+        fingerprint = cpu_vec_isa._get_isa_dry_compile_fingerprint(isa.build_arch_flags())
+        key = hashlib.sha256("\0".join((code, fingerprint, sys.executable)).encode()).hexdigest()
+        passed = Path(cache_dir()) / "isa-checks" / key
+        if passed.is_file():
+            return True
+        ok = check(isa, code)
+        if ok:
+            passed.parent.mkdir(parents=True, exist_ok=True)
+            passed.touch()
+        return ok
+
+    cpu_vec_isa.VecISA.check_build = check_build
+    try:
+        yield
+    finally:
+        cpu_vec_isa.VecISA.check_build = check
 
 
 def _call_body(code: str) -> list[str]:

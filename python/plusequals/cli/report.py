@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 import torch
 from rich.console import Console
 
-from ..bench import analyse, measure, render
+from ..bench import analyse, inductor, measure, render
 from .summary import emit
 
 
@@ -82,7 +82,7 @@ def inductor_cache(plan: measure.Plan) -> Iterator[measure.Plan]:
     # torch writes its default into the environment the first time it asks: that is not a choice
     where = Path(named) if named and named != default_cache_dir() else INDUCTOR_CACHE
     warm = where.is_dir() and any(where.iterdir())
-    with temporary_cache_dir(str(where.absolute())):
+    with temporary_cache_dir(str(where.absolute())), inductor.isa_checks_remembered():
         yield replace(plan, inductor_cache=str(where), inductor_cache_warm=warm)
 
 
