@@ -8,6 +8,7 @@ record of what it read. The functions the forward's code runs are compared in pl
 code, defaults and closure cells), directly where CPython's layout is known and through
 ``getattr`` elsewhere: both ways agree with the oracle after generated changes and undos."""
 
+import functools
 import sys
 
 import pytest
@@ -255,12 +256,76 @@ def test_a_classs_bases_reassigned_is_a_change_of_every_class_below_it(direct, s
     parents = {"A": X, "B": A, "C": B}
     classes = {"A": A, "B": B, "C": C}
     rust = _rust.Watch(same=[], classes=[(C(), C), (1, int)], sizes=[], empty=[], keys=[], direct=direct)
-    assert rust.mros == ((1, 0) if direct else (0, 1))
+    assert rust.fields == ((1, 0) if direct else (0, 1))
     read = C.__mro__
     assert rust.unchanged()
     for name, base in steps:
         classes[name].__bases__ = (parents[name] if base == "parent" else {"X": X, "Y": Y}[base],)
         assert rust.unchanged() == (C.__mro__ is read), (name, base)
+
+
+class _Plain:
+    pass  # a managed dict (3.11+): its pointer before the object
+
+
+class _Slotted:
+    __slots__ = ("__dict__", "other")  # a managed dict too, beside a slot
+
+
+class _Error(Exception):
+    pass  # its dict at the type's __dictoffset__ (BaseException's), not a managed one
+
+
+class _Tuple(tuple):
+    pass  # a var-sized object: its dict's place is counted from the end (read through getattr)
+
+
+def _holders():
+    """Objects with a field the watch holds: instances' dicts of three layouts, and a partial."""
+    objs = [_Plain(), _Error(), _Slotted(), _Tuple((1, 2))]
+    for o in objs:
+        o.__dict__["k"] = 1
+    p = functools.partial(max, 1, key=abs)
+    holders = [(o, "__dict__", o.__dict__) for o in objs]
+    holders += [(p, name, getattr(p, name)) for name in ("func", "args", "keywords")]
+    return objs, p, holders
+
+
+HOLDER_OPS = ["new dict", "dict back", "setstate new", "setstate back", "setstate same func"]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["in place", "getattr"])
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(HOLDER_OPS), st.integers(0, 3)), max_size=8))
+def test_an_instances_dict_and_a_partials_fields_agree_with_the_oracle(direct, steps):
+    """An instance's ``__dict__`` reassigned (to a copy, or back) and a partial rebuilt by
+    ``__setstate__`` (other fields, its own back, the same func with new args): the watch says
+    changed exactly when a field no longer holds what it held when read."""
+    objs, p, holders = _holders()
+    state = p.__reduce__()[2]
+    classes = [(objs[0], _Plain)]  # (a watch of no class is a cleared one: changed)
+    rust = _rust.Watch(same=[], classes=classes, sizes=[], empty=[], keys=[], holders=holders, direct=direct)
+    in_place = 7 if direct else 0  # _Plain's MRO, 3 dicts, 3 partial fields; the var-sized object's dict by getattr
+    assert rust.fields == (in_place, len(holders) + 1 - in_place)
+    read = [(o, n, v) for o, n, v in holders]
+
+    def oracle():
+        return all(getattr(o, n) is v for o, n, v in read)
+
+    assert rust.unchanged() and oracle()
+    for op, which in steps:
+        o = objs[which]
+        if op == "new dict":
+            o.__dict__ = dict(o.__dict__)
+        elif op == "dict back":
+            o.__dict__ = next(v for h, n, v in read if h is o)
+        elif op == "setstate new":
+            p.__setstate__((min, (2,), {"key": len}, None))
+        elif op == "setstate back":
+            p.__setstate__(state)
+        else:
+            p.__setstate__((p.func, (3,), dict(p.keywords), None))
+        assert rust.unchanged() == oracle(), (op, which)
 
 
 def _block_of_a_class_of_its_own(n: int):

@@ -709,11 +709,12 @@ def test_the_recorder_chains_a_profiler_already_set_and_puts_everything_back():
     assert f"{__name__}.FACTOR" in notes and f"{__name__}._helper.__code__" in notes
 
 
-@OUT_OF_CONTRACT
-def test_out_of_contract_an_instances_dict_reassigned():
-    """``attn1.__dict__`` replaced by a copy holding a bound ``forward``: the watch holds the old
-    dict (unchanged, its tag with it) and each module's class, not the pointer to its dict."""
-    block, rust, x, c = _small()
+@pytest.mark.parametrize("cls", [RustBlock, CppBlock])
+def test_an_instances_dict_reassigned(cls):
+    """``attn1.__dict__`` replaced by a copy holding a bound ``forward``: the old dict is unchanged
+    (its tag with it), but the watch holds each instance's pointer to its dict: followed or
+    refused, and undone it works again."""
+    block, rust, x, c = _small(cls)
     attn = block.attn1
     old = attn.__dict__
     forward = type(attn).forward
@@ -726,14 +727,15 @@ def test_out_of_contract_an_instances_dict_reassigned():
     _stale_or_not(block, rust, x, c, change, lambda: setattr(attn, "__dict__", old))
 
 
-@OUT_OF_CONTRACT
-def test_out_of_contract_a_partial_rebuilt_by_setstate():
-    """``F.gelu`` a ``functools.partial``: its keywords dict is watched, but ``__setstate__`` puts
-    a new one (and may put a new ``func``) in place; the partial itself stays the same object."""
+@pytest.mark.parametrize("cls", [RustBlock, CppBlock])
+def test_a_partial_rebuilt_by_setstate(cls):
+    """``F.gelu`` a ``functools.partial``: ``__setstate__`` puts a new keywords dict (and may put
+    a new ``func`` and ``args``) in place, the partial the same object; the watch holds the three
+    fields: followed or refused, and undone it works again."""
     original = F.gelu
     F.gelu = functools.partial(original, approximate="none")
     try:
-        block, rust, x, c = _small()
+        block, rust, x, c = _small(cls)
         partial = F.gelu
         _stale_or_not(
             block, rust, x, c,

@@ -63,6 +63,7 @@ class Watch:
         keys: List[Tuple[Dict[Any, Any], List[Any]]],
         lists: List[Tuple[List[Any], List[Any]]] = ...,
         functions: List[Any] = ...,
+        holders: List[Tuple[Any, str, Any]] = ...,
         direct: bool = True,
     ) -> Watch: ...
     def unchanged(self) -> bool: ...
@@ -72,9 +73,9 @@ class Watch:
     # (function fields and cells compared in place, functions compared through getattr)
     @property
     def functions(self) -> Tuple[int, int]: ...
-    # (classes' MROs compared in place, classes' MROs compared through getattr)
+    # (other fields compared in place: classes' MROs, instances' dicts, partials' fields; compared through getattr)
     @property
-    def mros(self) -> Tuple[int, int]: ...
+    def fields(self) -> Tuple[int, int]: ...
 
 @final
 class Entry:

@@ -55,6 +55,9 @@ pub(super) struct PyWatch {
     /// Where the type layout is unknown: each noted heap class and its `__mro__`, compared
     /// through `getattr`.
     mros: Vec<(Py<PyType>, Py<PyAny>)>,
+    /// Where an object's layout is unknown: (object, attribute, what it held), compared through
+    /// `getattr` (an instance's `__dict__`, a `functools.partial`'s `func`, `args`, `keywords`).
+    attrs: Vec<(Py<PyAny>, String, Py<PyAny>)>,
     /// Where the layout is not [`FunctionHead`]'s: each function and its state read through
     /// `getattr` ([`state_of`]), compared the same way, more slowly.
     read: Vec<(Py<PyAny>, State)>,
@@ -66,9 +69,11 @@ pub(super) struct PyWatch {
 #[pymethods]
 impl PyWatch {
     #[new]
-    /// `functions`: Python functions watched in place; `direct=False` reads them through
-    /// `getattr` even where the layout is known (for the tests).
-    #[pyo3(signature = (same, classes, sizes, empty, keys, lists=Vec::new(), functions=Vec::new(), direct=true))]
+    /// `functions`: Python functions watched in place; `holders`: (object, attribute, what it
+    /// holds) for an instance's `__dict__` and a `functools.partial`'s `func`, `args` and
+    /// `keywords`, watched in place; `direct=False` reads them through `getattr` even where the
+    /// layout is known (for the tests).
+    #[pyo3(signature = (same, classes, sizes, empty, keys, lists=Vec::new(), functions=Vec::new(), holders=Vec::new(), direct=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         same: Vec<(Py<PyDict>, Py<PyAny>, Py<PyAny>)>,
@@ -78,6 +83,7 @@ impl PyWatch {
         keys: Vec<(Py<PyDict>, Vec<Py<PyAny>>)>,
         lists: Vec<(Py<PyList>, Vec<Py<PyAny>>)>,
         functions: Vec<Bound<'_, PyAny>>,
+        holders: Vec<(Bound<'_, PyAny>, String, Bound<'_, PyAny>)>,
         direct: bool,
         py: Python<'_>,
     ) -> PyResult<Self> {
@@ -100,8 +106,17 @@ impl PyWatch {
         }
         let function_slots = slots.len();
         let mros = mros_in_place(py, &classes, direct, &mut slots, &mut held)?;
+        let mut attrs = Vec::new();
+        for (obj, name, value) in holders {
+            match field_address(&obj, &name, &value).filter(|_| direct) {
+                // SAFETY: a pointer field of `obj` (checked to hold `value`), held below.
+                Some(at) => unsafe { hold_slot(py, at, &mut slots, &mut held) },
+                None => attrs.push((obj.clone().unbind(), name, value.unbind())),
+            }
+            held.push(obj.unbind());
+        }
         slots.sort_unstable(); // in address order: the per-call reads walk memory one way
-        Ok(PyWatch { same, classes, sizes, empty, keys, lists, slots, function_slots, held, mros, read, tags })
+        Ok(PyWatch { same, classes, sizes, empty, keys, lists, slots, function_slots, held, mros, attrs, read, tags })
     }
 
     /// How many function fields and cells are compared in place, and how many functions through
@@ -111,10 +126,11 @@ impl PyWatch {
         (self.function_slots, self.read.len())
     }
 
-    /// How many classes' MROs are compared in place, and how many through `getattr`.
+    /// How many other fields (classes' MROs, instances' dicts, partials' fields) are compared in
+    /// place, and how many through `getattr`.
     #[getter]
-    fn mros(&self) -> (usize, usize) {
-        (self.slots.len() - self.function_slots, self.mros.len())
+    fn fields(&self) -> (usize, usize) {
+        (self.slots.len() - self.function_slots, self.mros.len() + self.attrs.len())
     }
 
     /// How many dicts the version-tag shortcut covers (0 where this Python has no tags).
@@ -167,13 +183,17 @@ impl PyWatch {
             visit.call(cls)?;
             visit.call(mro)?;
         }
+        for (obj, _, value) in &self.attrs {
+            visit.call(obj)?;
+            visit.call(value)?;
+        }
         Ok(())
     }
 
     fn __clear__(&mut self) {
         (self.same, self.classes, self.sizes, self.empty, self.keys, self.lists) = Default::default();
         self.slots = Vec::new(); // before what they point into
-        (self.held, self.read, self.mros, self.tags) = Default::default();
+        (self.held, self.read, self.mros, self.attrs, self.tags) = Default::default();
     }
 
     /// Whether everything is as it was read (stops at the first difference). A cleared watch
@@ -195,7 +215,11 @@ impl PyWatch {
         let moved = self.slots.iter().fold(0, |acc, &(at, was)| acc | (unsafe { *(at as *const usize) } ^ was));
         let same_functions = moved == 0
             && self.read.iter().all(|(f, was)| same_state(f.bind(py), was))
-            && self.mros.iter().all(|(cls, was)| cls.bind(py).getattr("__mro__").is_ok_and(|now| now.is(was)));
+            && self.mros.iter().all(|(cls, was)| cls.bind(py).getattr("__mro__").is_ok_and(|now| now.is(was)))
+            && self
+                .attrs
+                .iter()
+                .all(|(obj, name, was)| obj.bind(py).getattr(name.as_str()).is_ok_and(|now| now.is(was)));
         let same_lists = self.lists.iter().all(|(l, items)| {
             let l = l.bind(py);
             l.len() == items.len() && l.iter().zip(items).all(|(now, was)| now.is(was))
@@ -409,6 +433,95 @@ fn probe_mro_offset(py: Python<'_>) -> PyResult<Option<usize>> {
     let after = c.getattr("__mro__")?;
     let moved = !after.is(&before) && word(i) == after.as_ptr() as usize;
     Ok(moved.then_some(i * size_of::<usize>()))
+}
+
+/// The address of the pointer field through which `obj.<name>` is `value`, where this Python's
+/// layout is known and the field holds `value` now: an instance's `__dict__` (a managed dict's
+/// pointer three words before the object on 3.11 to 3.14, else at its type's `__dictoffset__`), a
+/// `functools.partial`'s `func`, `args` or `keywords` ([`partial_offsets`]). None elsewhere.
+fn field_address(
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+    value: &Bound<'_, PyAny>,
+) -> Option<*const *mut pyo3::ffi::PyObject> {
+    let py = obj.py();
+    let base = obj.as_ptr().cast::<u8>();
+    let version = py.version_info();
+    let known = ((3, 11)..(3, 15)).contains(&(version.major, version.minor));
+    let offset: isize = match name {
+        "__dict__" => {
+            const MANAGED_DICT: std::ffi::c_ulong = 1 << 4; // Py_TPFLAGS_MANAGED_DICT (3.11+)
+                                                            // SAFETY: a live type object, under the GIL.
+            let flags = unsafe { pyo3::ffi::PyType_GetFlags(obj.get_type().as_ptr().cast()) };
+            if flags & MANAGED_DICT != 0 {
+                known.then_some(-3 * size_of::<usize>() as isize)?
+            } else {
+                obj.get_type().getattr("__dictoffset__").ok()?.extract::<isize>().ok().filter(|&o| o > 0)?
+            }
+        }
+        "func" | "args" | "keywords" if obj.get_type().is(&partial_type(py)?) => {
+            let index = ["func", "args", "keywords"].iter().position(|n| *n == name)?;
+            partial_offsets(py)?[index] as isize
+        }
+        _ => return None,
+    };
+    // SAFETY: a managed dict's pointer lies in the object's pre-header (its type's flag says it
+    // has one), the others inside the object (its type's own offsets); read under the GIL.
+    let at = unsafe { base.offset(offset) }.cast::<*mut pyo3::ffi::PyObject>();
+    // SAFETY: as above.
+    (unsafe { *at } == value.as_ptr()).then_some(at)
+}
+
+/// `functools.partial`, where [`partial_offsets`] found its layout.
+fn partial_type(py: Python<'_>) -> Option<Bound<'_, PyType>> {
+    partial_offsets(py)?;
+    py.import("functools").ok()?.getattr("partial").ok()?.downcast_into::<PyType>().ok()
+}
+
+/// Where a `functools.partial` keeps `func`, `args` and `keywords` (byte offsets), found once on a
+/// partial made here: the one word of each that is its value, and is the new one after
+/// `__setstate__`. None where not found, or on a Python whose layout was not checked.
+fn partial_offsets(py: Python<'_>) -> Option<[usize; 3]> {
+    static OFFSETS: GILOnceCell<Option<[usize; 3]>> = GILOnceCell::new();
+    *OFFSETS.get_or_init(py, || {
+        let version = py.version_info();
+        let known = ((3, 11)..(3, 15)).contains(&(version.major, version.minor));
+        known.then(|| probe_partial_offsets(py).ok().flatten()).flatten()
+    })
+}
+
+fn probe_partial_offsets(py: Python<'_>) -> PyResult<Option<[usize; 3]>> {
+    let globals = PyDict::new(py);
+    let code = c"import functools\np = functools.partial(len, [1], a=2)\nq = (max, (3, 4), {'b': 5}, None)\n";
+    py.run(code, Some(&globals), None)?;
+    let (Some(p), Some(q)) = (globals.get_item("p")?, globals.get_item("q")?) else {
+        return Ok(None);
+    };
+    if !p.get_type().is(&py.import("functools")?.getattr("partial")?) {
+        return Ok(None); // the Python implementation: no fields of its own
+    }
+    let words = p.get_type().getattr("__basicsize__")?.extract::<usize>()? / size_of::<usize>();
+    let base = p.as_ptr().cast::<usize>();
+    // SAFETY: `p` is a live partial of `words` pointer-sized words, read under the GIL; each word
+    // is only compared with an address.
+    let word = |i: usize| unsafe { *base.add(i) };
+    let names = ["func", "args", "keywords"];
+    let before: Vec<Bound<'_, PyAny>> = names.iter().map(|n| p.getattr(*n)).collect::<PyResult<_>>()?; // held
+    let mut found = [0usize; 3];
+    for (slot, value) in found.iter_mut().zip(&before) {
+        let hits: Vec<usize> = (2..words).filter(|&i| word(i) == value.as_ptr() as usize).collect();
+        let [i] = hits[..] else {
+            return Ok(None);
+        };
+        *slot = i;
+    }
+    p.call_method1("__setstate__", (q,))?;
+    for (&i, name) in found.iter().zip(names) {
+        if word(i) != p.getattr(name)?.as_ptr() as usize {
+            return Ok(None);
+        }
+    }
+    Ok(Some(found.map(|i| i * size_of::<usize>())))
 }
 
 /// Adds `f`'s settable fields (`__code__`, `__defaults__`, `__kwdefaults__`) and its cells'

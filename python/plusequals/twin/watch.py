@@ -150,6 +150,7 @@ class Watch:
         "code_sizes",
         "functions",
         "casting",
+        "holders",
         "rust",
         "_sized_dicts",
         "_seen",
@@ -169,6 +170,9 @@ class Watch:
         self.code_sizes: List[Tuple[dict, int]] = []  # every dict the code's lookups consulted, once, and its size
         self.functions: List[Any] = []  # every Python function the code reads followed: watched in place
         self.casting: List[Tuple[str, nn.Module, Any]] = []  # layerwise casting's hooks: (path, module, hook)
+        # (object, attribute, value) held in a field of the object: an instance's __dict__ (the dict
+        # read from: `m.__dict__ = {...}` is a change), a functools.partial's func, args and keywords
+        self.holders: List[Tuple[Any, str, Any]] = []
         self.rust: Any = None  # the Rust watch, made by seal()
         # (object, name, value) of every non-tensor value: what a traced forward compares, so
         # that torch.compile guards on it (tensors reach the custom op as arguments instead).
@@ -182,6 +186,12 @@ class Watch:
         if id(d) not in self._lseen:
             self._lseen.add(id(d))
             self._sized_dicts.append(d)
+
+    def _instance(self, obj: Any, d: dict) -> None:
+        """Notes ``d``, ``obj``'s instance dict, by its size, and as ``obj``'s dict."""
+        if id(d) not in self._lseen:
+            self.holders.append((obj, "__dict__", d))
+        self._sized(d)
 
     def _note(self, d: dict, key: str, value: Any, obj: Any, by_identity: bool = False) -> Any:
         if (id(d), key) in self._seen:
@@ -227,7 +237,7 @@ class Watch:
         if id(m) in self._mseen:
             return
         self.exact(m)
-        self._sized(m.__dict__)
+        self._instance(m, m.__dict__)
         for name in ("_modules", "_parameters", "_buffers"):
             store = m.__dict__.get(name)
             if isinstance(store, dict):
@@ -263,6 +273,7 @@ class Watch:
             while len(_CODE_READS) > _CODE_READS_KEPT:
                 del _CODE_READS[next(iter(_CODE_READS))]
         self.code, self.code_sizes, self.functions = list(read.code), list(read.code_sizes), list(read.functions)
+        self.holders += read.holders
         for e in read.classes:
             self.exact(e.obj)
 
@@ -277,7 +288,7 @@ class Watch:
         """Notes every value on the instance ``m`` by identity: the state an unknown class's
         forward may read (mutation inside a value, a class attribute or a global it reads is
         beyond this: see ``RustBlock.from_torch``'s ``trust``)."""
-        self._sized(m.__dict__)
+        self._instance(m, m.__dict__)
         for key, value in m.__dict__.items():
             if key not in _MODULE_STORES:
                 self._note(m.__dict__, key, value, m, by_identity=True)
@@ -289,7 +300,7 @@ class Watch:
         d = getattr(obj, "__dict__", None)
         if d is None:
             return getattr(obj, name, default)
-        self._sized(d)
+        self._instance(obj, d)
         if name in d:
             return self._note(d, name, d[name], obj)
         if isinstance(obj, nn.Module):  # its class and stores: tree() notes every module of the block
@@ -378,15 +389,20 @@ class Watch:
         object of a class Python code can reassign (a module, whose ``__class__`` may become a
         ``ModuleType`` subclass with a ``__getattribute__``; a callable object set as ``F.gelu``),
         and the keywords of a ``functools.partial`` (a dict the partial calls with, each entry by
-        identity, the dict sized)."""
+        identity, the dict sized), and its fields (``func``, ``args``, ``keywords``: ``__setstate__``
+        sets all three in place)."""
         have = {(id(n.d), n.key) for n in self.code if n.d is not None}
         sized = {id(d) for d, _ in self.code_sizes}
         classes = {n.label for n in self.code if n.d is None and n.key == "__class__"}
+        partials = {id(obj) for obj, name, _ in self.holders if name == "func"}
         for n in list(notes):
             value = n.value
             held = [(n.label, value)]
             if isinstance(value, functools.partial):  # what it calls: a callable object's class too
                 held.append((f"{n.label}.func", value.func))
+                if id(value) not in partials:  # its fields (__setstate__ sets all three)
+                    partials.add(id(value))
+                    self.holders += [(value, name, getattr(value, name)) for name in ("func", "args", "keywords")]
             for label, obj in held:
                 if isinstance(obj, types.ModuleType) or not type(obj).__flags__ & _IMMUTABLE:
                     self.exact(obj)  # compared on every call; the note names it in a refusal
@@ -421,6 +437,7 @@ class Watch:
             keys=[(d, list(d)) for d in self.globals],
             lists=self.lists,
             functions=self.functions,
+            holders=self.holders,
         )
 
     def unchanged(self) -> bool:
