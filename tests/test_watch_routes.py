@@ -746,6 +746,49 @@ def test_a_partial_rebuilt_by_setstate(cls):
         F.gelu = original
 
 
+def _act(self, x, scale):
+    return F.gelu(x) * scale
+
+
+def _geglu_forward(self, x):
+    x, gate = self.proj(x).chunk(2, dim=-1)
+    return x * self.act(gate)
+
+
+@pytest.mark.parametrize("change", ["keywords", "func"])
+@pytest.mark.parametrize("cls", [RustBlock, CppBlock])
+def test_a_partialmethods_keywords_or_func_set_in_place(cls, change):
+    """GEGLU calling ``self.act``, a ``functools.partialmethod`` in its class dict: one of its
+    keywords set in the keywords dict, or its ``func`` set on it (the partialmethod the same
+    object in the same class dict): followed or refused, and undone it works again."""
+    from plusequals.model import blocks
+
+    saved = {name: blocks.GEGLU.__dict__.get(name) for name in ("act", "forward")}
+    blocks.GEGLU.act = functools.partialmethod(_act, scale=1.0)
+    blocks.GEGLU.forward = _geglu_forward
+    try:
+        block, rust, x, c = _small(cls)
+        pm = blocks.GEGLU.__dict__["act"]
+        if change == "keywords":
+            _stale_or_not(
+                block, rust, x, c,
+                lambda: pm.keywords.__setitem__("scale", SCALE),
+                lambda: pm.keywords.__setitem__("scale", 1.0),
+            )  # fmt: skip
+        else:
+            _stale_or_not(
+                block, rust, x, c,
+                lambda: setattr(pm, "func", lambda self, x, scale: F.gelu(x) * SCALE),
+                lambda: setattr(pm, "func", _act),
+            )  # fmt: skip
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                delattr(blocks.GEGLU, name)
+            else:
+                setattr(blocks.GEGLU, name, value)
+
+
 def test_a_c_profiler_on_while_the_twin_is_checked():
     """cProfile on while the twin is made: a global read by a helper of a wrapper set as ``F.gelu``
     (which only the recorded run finds) is watched, changed later it is followed or refused. On

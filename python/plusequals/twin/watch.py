@@ -119,6 +119,14 @@ class Sized(NamedTuple):
     n: int
 
 
+class _Seen(NamedTuple):
+    """What :meth:`Watch._objects` has noted already: (dict, key) entries, sized dicts, partials."""
+
+    notes: set
+    sized: set
+    partials: set
+
+
 class Exact(NamedTuple):
     """An object read (a module, a processor, a parameter), and its exact class then."""
 
@@ -388,36 +396,46 @@ class Watch:
         """What the code's notes hold besides their identity, watched too: the exact class of each
         object of a class Python code can reassign (a module, whose ``__class__`` may become a
         ``ModuleType`` subclass with a ``__getattribute__``; a callable object set as ``F.gelu``),
-        and the keywords of a ``functools.partial`` (a dict the partial calls with, each entry by
-        identity, the dict sized), and its fields (``func``, ``args``, ``keywords``: ``__setstate__``
-        sets all three in place)."""
-        have = {(id(n.d), n.key) for n in self.code if n.d is not None}
-        sized = {id(d) for d, _ in self.code_sizes}
+        and what a ``functools.partial`` or ``partialmethod`` calls with (:meth:`_partial`)."""
+        seen = _Seen(
+            {(id(n.d), n.key) for n in self.code if n.d is not None},
+            {id(d) for d, _ in self.code_sizes},
+            {id(obj) for obj, name, _ in self.holders if name == "func"},
+        )
         classes = {n.label for n in self.code if n.d is None and n.key == "__class__"}
-        partials = {id(obj) for obj, name, _ in self.holders if name == "func"}
         for n in list(notes):
-            value = n.value
-            held = [(n.label, value)]
-            if isinstance(value, functools.partial):  # what it calls: a callable object's class too
-                held.append((f"{n.label}.func", value.func))
-                if id(value) not in partials:  # its fields (__setstate__ sets all three)
-                    partials.add(id(value))
-                    self.holders += [(value, name, getattr(value, name)) for name in ("func", "args", "keywords")]
+            held = [(n.label, n.value)]
+            if isinstance(n.value, (functools.partial, functools.partialmethod)):
+                held.append((f"{n.label}.func", n.value.func))
+                self._partial(n.value, n.label, seen)
             for label, obj in held:
                 if isinstance(obj, types.ModuleType) or not type(obj).__flags__ & _IMMUTABLE:
                     self.exact(obj)  # compared on every call; the note names it in a refusal
                     if f"{label}.__class__" not in classes:
                         classes.add(f"{label}.__class__")
                         self.code.append(Note(None, "__class__", type(obj), f"{label}.__class__"))
-            keywords = getattr(value, "keywords", None) if isinstance(value, functools.partial) else None
-            if isinstance(keywords, dict):
-                if id(keywords) not in sized:
-                    sized.add(id(keywords))
-                    self.code_sizes.append((keywords, len(keywords)))
-                for key, v in keywords.items():
-                    if (id(keywords), key) not in have:
-                        have.add((id(keywords), key))
-                        self.code.append(Note(keywords, key, v, f"{n.label}.keywords[{key!r}]"))
+
+    def _partial(self, p: Any, label: str, seen: "_Seen") -> None:
+        """A ``functools.partial``'s or ``partialmethod``'s keywords (a dict it calls with: each
+        entry by identity, the dict sized); a partial's fields (``func``, ``args``, ``keywords``:
+        ``__setstate__`` sets all three in place), a partialmethod's (entries of its ``__dict__``)."""
+        if isinstance(p.keywords, dict):
+            self._entries(p.keywords, f"{label}.keywords", seen)
+        if isinstance(p, functools.partialmethod) and isinstance(getattr(p, "__dict__", None), dict):
+            self._entries(vars(p), label, seen)
+        elif isinstance(p, functools.partial) and id(p) not in seen.partials:
+            seen.partials.add(id(p))
+            self.holders += [(p, name, getattr(p, name)) for name in ("func", "args", "keywords")]
+
+    def _entries(self, d: dict, label: str, seen: "_Seen") -> None:
+        """Every entry of ``d`` as code, by identity, and ``d`` sized (each once)."""
+        if id(d) not in seen.sized:
+            seen.sized.add(id(d))
+            self.code_sizes.append((d, len(d)))
+        for key, v in d.items():
+            if (id(d), key) not in seen.notes:
+                seen.notes.add((id(d), key))
+                self.code.append(Note(d, key, v, f"{label}[{key!r}]"))
 
     def seal(self) -> "Watch":
         self.sizes = [Sized(d, len(d)) for d in self._sized_dicts]
