@@ -628,6 +628,7 @@ def test_out_of_contract_a_branch_on_a_shape_no_check_ran():
 
 
 CONFIG = {"scale": 1.0}  # a dict of values (no function) that a wrapper reads
+NESTED = {"inner": {"scale": 1.0}}  # a dict of a dict of values
 FACTOR2 = 1.0  # read only on a branch the probe's input does not take
 
 
@@ -645,10 +646,11 @@ def _factor2_back() -> None:
     FACTOR2 = 1.0
 
 
-@OUT_OF_CONTRACT
-def test_out_of_contract_a_value_inside_a_dict_the_forward_reads():
-    """A wrapper set as ``F.gelu`` reads ``CONFIG["scale"]``: the global ``CONFIG`` is watched (by
-    identity), the values inside it are not."""
+@pytest.mark.parametrize("cls", [RustBlock, CppBlock])
+def test_an_entry_of_a_global_dict_read_by_a_constant_key(cls):
+    """A wrapper set as ``F.gelu`` reads ``CONFIG["scale"]``: the checked run executed that read,
+    so the entry is watched (by identity, in ``CONFIG``): set, it is followed or refused; undone,
+    it works again."""
     original = F.gelu
 
     def gelu(input, approximate="none"):
@@ -656,9 +658,29 @@ def test_out_of_contract_a_value_inside_a_dict_the_forward_reads():
 
     F.gelu = gelu
     try:
-        block, rust, x, c = _small()
+        block, rust, x, c = _small(cls)
         _stale_or_not(
             block, rust, x, c, lambda: CONFIG.__setitem__("scale", SCALE), lambda: CONFIG.__setitem__("scale", 1.0)
+        )
+    finally:
+        F.gelu = original
+
+
+@OUT_OF_CONTRACT
+def test_out_of_contract_a_value_inside_a_dict_the_forward_reads():
+    """A wrapper set as ``F.gelu`` reads ``NESTED["inner"]["scale"]``: ``NESTED["inner"]`` is
+    watched (by identity), the values inside the inner dict are not."""
+    original = F.gelu
+
+    def gelu(input, approximate="none"):
+        return original(input, approximate=approximate) * NESTED["inner"]["scale"]
+
+    F.gelu = gelu
+    inner = NESTED["inner"]
+    try:
+        block, rust, x, c = _small()
+        _stale_or_not(
+            block, rust, x, c, lambda: inner.__setitem__("scale", SCALE), lambda: inner.__setitem__("scale", 1.0)
         )
     finally:
         F.gelu = original

@@ -9,7 +9,8 @@ also says which Python code it executed, in which globals. :meth:`Ran.reads` tur
 the watch, from the values there now:
 
 * every global, builtin and module attribute each executed code object names, in the globals it
-  ran with (a global read four calls deep, in a helper of any package);
+  ran with (a global read four calls deep, in a helper of any package), and each entry of a
+  global dict it reads by a constant key (``CONFIG["scale"]``);
 * the function that holds each executed code object, wherever it is found (a module global, a
   class attribute, an entry of a dict or an item of a list or tuple that is a global): watched in
   place like the reading's (code, defaults, cells), and each dict entry that holds it by identity
@@ -23,6 +24,8 @@ package but :mod:`plusequals.twin.forward_code`).
 
 from __future__ import annotations
 
+import dis
+import functools
 import gc
 import sys
 import types
@@ -144,7 +147,29 @@ def _names_read(code: types.CodeType, g: dict, builtins: dict, sized: Dict[int, 
         elif name in builtins and not name.startswith("__"):
             sized.setdefault(id(builtins), builtins)
             out.append(Note(builtins, name, builtins[name], f"builtins.{name}"))
+    for name, key in _constant_subscripts(code):
+        d = g.get(name)
+        if type(d) is dict and key in d:  # the entry by identity; the dict is not sized
+            out.append(Note(d, key, d[key], f"{where}.{name}[{key!r}]"))
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _constant_subscripts(code: types.CodeType) -> Tuple[Tuple[str, Any], ...]:
+    """(global, key) for each ``GLOBAL[constant]`` that ``code`` reads: a global loaded, a
+    constant (a str, int or tuple of them) loaded, then subscripted (``BINARY_SUBSCR``; 3.14's
+    ``BINARY_OP []``)."""
+    ins = list(dis.get_instructions(code))
+    found = []
+    for load, const, subscript in zip(ins, ins[1:], ins[2:]):
+        reads = subscript.opname == "BINARY_SUBSCR" or (subscript.opname == "BINARY_OP" and subscript.argrepr == "[]")
+        if load.opname == "LOAD_GLOBAL" and const.opname == "LOAD_CONST" and reads and _constant_key(const.argval):
+            found.append((load.argval, const.argval))
+    return tuple(found)
+
+
+def _constant_key(key: Any) -> bool:
+    return isinstance(key, (str, int)) or (isinstance(key, tuple) and all(_constant_key(k) for k in key))
 
 
 def _find(code: types.CodeType, g: dict) -> List[Tuple[Any, Any, str]]:
