@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UnsupportedBlockError
-from .dispatch import _user_function_modes, own_hook, symbolic
+from .dispatch import _user_function_modes, own_hook, symbolic, tracing_tensor
 from .donated import DonatedTensor
 from .follow import Follow
 
@@ -42,7 +42,7 @@ def why_delegated(x: Any, context: Any, masks: Dict[str, Any], follows: bool) ->
     input is a tensor subclass with its own ``__torch_function__`` or ``__torch_dispatch__``. None
     while tracing or fake: the custom ops run there, as the graph's op."""
     tensor_context = context if isinstance(context, Tensor) else None
-    if torch.compiler.is_compiling() or symbolic(x, tensor_context):
+    if torch.compiler.is_compiling() or symbolic(x, tensor_context) or any(map(tracing_tensor, masks.values())):
         return None
     modes = _user_function_modes()
     if modes:
@@ -88,7 +88,7 @@ def delegated(
     owned: Optional[bool] = None,
 ) -> Tensor:
     """The twin's result from the PyTorch block it follows (:func:`_source`), called as the
-    library calls it, under the active modes. ``owned``: from ``forward_owned`` (grad off, and
+    library calls it, under the active modes and on the inputs given. ``owned``: from ``forward_owned`` (grad off, and
     the caller's ``x`` only read: the PyTorch forward is out of place)."""
     source = _source(follow, where, why)
     masks = {k: v for k, v in masks.items() if v is not None}

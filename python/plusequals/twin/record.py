@@ -134,7 +134,8 @@ def _cells_read(
 
 def _names_read(code: types.CodeType, g: dict, builtins: dict, sized: Dict[int, dict]) -> List[Note]:
     """The globals and builtins ``code`` names, as it ran with ``g`` and ``builtins`` (a module's
-    attributes named there too); the dicts consulted are added to ``sized``."""
+    attributes named there too), and each entry of a global dict it reads by a constant key; the
+    dicts consulted are added to ``sized`` (not those read by key)."""
     sized.setdefault(id(g), g)
     where = g.get("__name__", "?")
     out: List[Note] = []

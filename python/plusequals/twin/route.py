@@ -20,7 +20,7 @@ The paths, in the order they are tried:
 
 It sees the block only through what it is given: ``follows`` (whether it follows a PyTorch
 block), ``current`` (the block read again if it changed, as an adapter sees it; None when it
-follows no module), ``functorch (whether its weights are
+follows no module), ``functorch`` (whether its weights are
 functorch-wrapped now) and the adapters.
 """
 
