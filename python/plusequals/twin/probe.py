@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import random
 from typing import Any, Iterator, List, NamedTuple, Optional, Tuple
 
@@ -248,15 +249,18 @@ def value_reads(ops: Any) -> List[str]:
     """The ops of ``ops`` that hand a tensor's value to Python (their schema returns no tensor, nor
     a list or optional of one: ``_local_scalar_dense`` for ``bool(t)`` and ``t.item()``, ``equal``,
     ``allclose``), by name."""
-    out = []
-    for name, _ in ops:
-        packet = name.split(".")
-        op = getattr(getattr(torch.ops, packet[0], None), packet[1], None) if len(packet) == 3 else None
-        overload = getattr(op, packet[2], None) if op is not None else None
-        schema = getattr(overload, "_schema", None)
-        if schema is not None and not any("Tensor" in str(r.type) for r in schema.returns):
-            out.append(name)
-    return out
+    return [name for name, _ in ops if _reads_value(name)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _reads_value(name: str) -> bool:
+    """Whether the op named ``name`` (``namespace.op.overload``) returns no tensor (its schema, read
+    once per name)."""
+    packet = name.split(".")
+    op = getattr(getattr(torch.ops, packet[0], None), packet[1], None) if len(packet) == 3 else None
+    overload = getattr(op, packet[2], None) if op is not None else None
+    schema = getattr(overload, "_schema", None)
+    return schema is not None and not any("Tensor" in str(r.type) for r in schema.returns)
 
 
 def _new_value_reads(ops: List[Op], *known: Optional[List[Op]]) -> List[str]:

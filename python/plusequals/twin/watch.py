@@ -94,14 +94,22 @@ _METHODS = (types.FunctionType, staticmethod, classmethod, functools.partialmeth
 def _shadowed(module: nn.Module) -> List[str]:
     """The methods of ``module``'s class that a value in its instance dict shadows (``forward``
     aside): ``self.gelu(...)``, ``self._call_impl(...)`` find the instance's first, which the
-    Rust block would bypass. Dunders are looked up on the class by Python's implicit calls."""
+    Rust block would bypass. Dunders are looked up on the class by Python's implicit calls.
+    Only a name some class of the MRO has is looked up statically (an instance's own state, most
+    of its dict, is in none: ``getattr_static`` for each name was a quarter of ``from_torch``)."""
+    cls = type(module)
+    classes = [vars(c) for c in _MRO(cls)]
     return [
         name
         for name in module.__dict__
         if name != "forward"
         and not (name.startswith("__") and name.endswith("__"))
-        and isinstance(inspect.getattr_static(type(module), name, None), _METHODS)
+        and any(name in d for d in classes)
+        and isinstance(inspect.getattr_static(cls, name, None), _METHODS)
     ]
+
+
+_MRO = type.__dict__["__mro__"].__get__  # a class's MRO, as getattr_static reads it (no metaclass property)
 
 
 class Noted(NamedTuple):
