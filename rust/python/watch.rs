@@ -19,10 +19,11 @@ type State = Vec<Option<Py<PyAny>>>;
 /// dicts holding the keys they held, and each watched list holding the items it held (PEFT's
 /// `merged_adapters`, a list of active adapters), and each Python function the forward's code runs
 /// holding the code, defaults and closure-cell contents it held (a function changed in place:
-/// `f.__code__ = ...`, `f.__defaults__ = ...`, a cell's `cell_contents` set), and each noted class
+/// `f.__code__ = ...`, `f.__defaults__ = ...`, a cell's `cell_contents` set), each noted class
 /// that Python code can change keeping the MRO it had (a `__bases__` reassigned on it or on any of
-/// its bases gives it a new `__mro__` tuple). A change raises `StaleBlock` before anything else
-/// runs.
+/// its bases gives it a new `__mro__` tuple), and each holder holding what it held (an instance its
+/// `__dict__`, a `functools.partial` its `func`, `args` and `keywords`). A change raises
+/// `StaleBlock` before anything else runs.
 ///
 /// Where CPython keeps a dict's version tag (PEP 509, CPython 3.11 to 3.13), the compare has a
 /// shortcut: every dict's tag, one integer per dict, as it was at the last full compare that found
@@ -31,7 +32,8 @@ type State = Vec<Option<Py<PyAny>>>;
 /// runs the full compare (a value set to itself, a key removed and put back: not a change). A
 /// function's state is in no dict: its fields are compared on every call, each a pointer read at an
 /// address held since the reading ([`FunctionHead`], checked at run time; through `getattr` where this
-/// Python's layout is another). So is a class's MRO: its `tp_mro` field ([`mro_offset`]).
+/// Python's layout is another). So are a class's MRO (its `tp_mro` field, [`mro_offset`]) and a
+/// holder's field ([`field_address`]).
 ///
 /// It holds the module's own objects (a RustBlock's watch holds the RustBlock), so it takes part
 /// in Python's garbage collection (`__traverse__`, `__clear__`) like any container.
@@ -47,7 +49,8 @@ pub(super) struct PyWatch {
     /// class's `tp_mro`, in place: (the field's address, the object it held at the reading),
     /// compared on every call.
     slots: Vec<(usize, usize)>,
-    /// How many of `slots` are functions' (the rest are classes' MROs).
+    /// How many of `slots` are functions' (the rest are classes' MROs, instances' dicts and
+    /// partials' fields).
     function_slots: usize,
     /// The functions, cells and classes those addresses lie in, and the objects they held: kept
     /// alive, so that no address is reused while watched.
@@ -451,7 +454,8 @@ fn field_address(
     let offset: isize = match name {
         "__dict__" => {
             const MANAGED_DICT: std::ffi::c_ulong = 1 << 4; // Py_TPFLAGS_MANAGED_DICT (3.11+)
-                                                            // SAFETY: a live type object, under the GIL.
+
+            // SAFETY: a live type object, under the GIL.
             let flags = unsafe { pyo3::ffi::PyType_GetFlags(obj.get_type().as_ptr().cast()) };
             if flags & MANAGED_DICT != 0 {
                 known.then_some(-3 * size_of::<usize>() as isize)?
