@@ -13,6 +13,9 @@ use super::errors::STALE_BLOCK;
 /// A function's state read through `getattr` ([`state_of`]): None is an empty cell.
 type State = Vec<Option<Py<PyAny>>>;
 
+/// (object, attribute, what it holds): a field the watch compares ([`field_address`]).
+type Holder<'py> = (Bound<'py, PyAny>, String, Bound<'py, PyAny>);
+
 /// What a reading of a module looked at (`plusequals.twin.watch.Watch`), compared in one pass at
 /// the start of every call that passes it, under the GIL: each noted value by identity in its
 /// dict, each module's exact class, each dict's size, hook dicts empty, and torch's global hook
@@ -45,9 +48,9 @@ pub(super) struct PyWatch {
     empty: Vec<Py<PyDict>>,
     keys: Vec<(Py<PyDict>, Vec<Py<PyAny>>)>,
     lists: Vec<(Py<PyList>, Vec<Py<PyAny>>)>,
-    /// Each watched function's settable fields and its cells' contents, and each noted heap
-    /// class's `tp_mro`, in place: (the field's address, the object it held at the reading),
-    /// compared on every call.
+    /// Each watched function's settable fields and its cells' contents, and each holder's field
+    /// (a heap class's `tp_mro`, an instance's dict, a partial's fields), in place: (the field's
+    /// address, the object it held at the reading), compared on every call.
     slots: Vec<(usize, usize)>,
     /// How many of `slots` are functions' (the rest are classes' MROs, instances' dicts and
     /// partials' fields).
@@ -55,11 +58,9 @@ pub(super) struct PyWatch {
     /// The functions, cells and classes those addresses lie in, and the objects they held: kept
     /// alive, so that no address is reused while watched.
     held: Vec<Py<PyAny>>,
-    /// Where the type layout is unknown: each noted heap class and its `__mro__`, compared
-    /// through `getattr`.
-    mros: Vec<(Py<PyType>, Py<PyAny>)>,
     /// Where an object's layout is unknown: (object, attribute, what it held), compared through
-    /// `getattr` (an instance's `__dict__`, a `functools.partial`'s `func`, `args`, `keywords`).
+    /// `getattr` (a class's `__mro__`, an instance's `__dict__`, a `functools.partial`'s `func`,
+    /// `args`, `keywords`).
     attrs: Vec<(Py<PyAny>, String, Py<PyAny>)>,
     /// Where the layout is not [`FunctionHead`]'s: each function and its state read through
     /// `getattr` ([`state_of`]), compared the same way, more slowly.
@@ -86,7 +87,7 @@ impl PyWatch {
         keys: Vec<(Py<PyDict>, Vec<Py<PyAny>>)>,
         lists: Vec<(Py<PyList>, Vec<Py<PyAny>>)>,
         functions: Vec<Bound<'_, PyAny>>,
-        holders: Vec<(Bound<'_, PyAny>, String, Bound<'_, PyAny>)>,
+        holders: Vec<Holder<'_>>,
         direct: bool,
         py: Python<'_>,
     ) -> PyResult<Self> {
@@ -108,9 +109,8 @@ impl PyWatch {
             }
         }
         let function_slots = slots.len();
-        let mros = mros_in_place(py, &classes, direct, &mut slots, &mut held)?;
         let mut attrs = Vec::new();
-        for (obj, name, value) in holders {
+        for (obj, name, value) in mro_holders(py, &classes)?.into_iter().chain(holders) {
             match field_address(&obj, &name, &value).filter(|_| direct) {
                 // SAFETY: a pointer field of `obj` (checked to hold `value`), held below.
                 Some(at) => unsafe { hold_slot(py, at, &mut slots, &mut held) },
@@ -119,7 +119,7 @@ impl PyWatch {
             held.push(obj.unbind());
         }
         slots.sort_unstable(); // in address order: the per-call reads walk memory one way
-        Ok(PyWatch { same, classes, sizes, empty, keys, lists, slots, function_slots, held, mros, attrs, read, tags })
+        Ok(PyWatch { same, classes, sizes, empty, keys, lists, slots, function_slots, held, attrs, read, tags })
     }
 
     /// How many function fields and cells are compared in place, and how many functions through
@@ -133,7 +133,7 @@ impl PyWatch {
     /// place, and how many through `getattr`.
     #[getter]
     fn fields(&self) -> (usize, usize) {
-        (self.slots.len() - self.function_slots, self.mros.len() + self.attrs.len())
+        (self.slots.len() - self.function_slots, self.attrs.len())
     }
 
     /// How many dicts the version-tag shortcut covers (0 where this Python has no tags).
@@ -182,10 +182,6 @@ impl PyWatch {
                 visit.call(value)?;
             }
         }
-        for (cls, mro) in &self.mros {
-            visit.call(cls)?;
-            visit.call(mro)?;
-        }
         for (obj, _, value) in &self.attrs {
             visit.call(obj)?;
             visit.call(value)?;
@@ -196,7 +192,7 @@ impl PyWatch {
     fn __clear__(&mut self) {
         (self.same, self.classes, self.sizes, self.empty, self.keys, self.lists) = Default::default();
         self.slots = Vec::new(); // before what they point into
-        (self.held, self.read, self.mros, self.attrs, self.tags) = Default::default();
+        (self.held, self.read, self.attrs, self.tags) = Default::default();
     }
 
     /// Whether everything is as it was read (stops at the first difference). A cleared watch
@@ -218,7 +214,6 @@ impl PyWatch {
         let moved = self.slots.iter().fold(0, |acc, &(at, was)| acc | (unsafe { *(at as *const usize) } ^ was));
         let same_functions = moved == 0
             && self.read.iter().all(|(f, was)| same_state(f.bind(py), was))
-            && self.mros.iter().all(|(cls, was)| cls.bind(py).getattr("__mro__").is_ok_and(|now| now.is(was)))
             && self
                 .attrs
                 .iter()
@@ -370,36 +365,26 @@ unsafe fn hold_slot(
     slots.push((at as usize, was as usize));
 }
 
-/// Adds the `tp_mro` of each heap class in `classes` (once each) to `slots`, holding the class and
-/// its MRO in `held`, where [`mro_offset`] knows the layout (and `direct`); else returns each with
-/// its `__mro__`, to compare through `getattr`. A static type's bases cannot be reassigned.
-fn mros_in_place(
-    py: Python<'_>,
-    classes: &[(Py<PyAny>, Py<PyType>)],
-    direct: bool,
-    slots: &mut Vec<(usize, usize)>,
-    held: &mut Vec<Py<PyAny>>,
-) -> PyResult<Vec<(Py<PyType>, Py<PyAny>)>> {
-    let offset = if direct { mro_offset(py) } else { None };
+/// Each heap class of `classes` once, as a holder of its `__mro__` (a static type's bases cannot
+/// be reassigned).
+fn mro_holders<'py>(py: Python<'py>, classes: &[(Py<PyAny>, Py<PyType>)]) -> PyResult<Vec<Holder<'py>>> {
     let mut seen = std::collections::HashSet::new();
-    let mut mros = Vec::new();
+    let mut out = Vec::new();
     for (_, cls) in classes {
         let cls = cls.bind(py);
         // SAFETY: a live type object, under the GIL.
         let heap = unsafe { pyo3::ffi::PyType_GetFlags(cls.as_ptr().cast()) } & pyo3::ffi::Py_TPFLAGS_HEAPTYPE != 0;
-        if !heap || !seen.insert(cls.as_ptr()) {
-            continue;
-        }
-        match offset {
-            Some(offset) => {
-                // SAFETY: `tp_mro` of a live type object (the offset checked by `mro_offset`), held below.
-                unsafe { hold_slot(py, cls.as_ptr().cast::<u8>().add(offset).cast(), slots, held) };
-                held.push(cls.clone().into_any().unbind());
-            }
-            None => mros.push((cls.clone().unbind(), cls.getattr("__mro__")?.unbind())),
+        if heap && seen.insert(cls.as_ptr()) {
+            out.push((cls.clone().into_any(), "__mro__".to_owned(), cls.getattr("__mro__")?));
         }
     }
-    Ok(mros)
+    Ok(out)
+}
+
+/// Whether this Python's layouts were checked (CPython 3.11 to 3.14): the probes below run only there.
+fn layouts_known(py: Python<'_>) -> bool {
+    let version = py.version_info();
+    ((3, 11)..(3, 15)).contains(&(version.major, version.minor))
 }
 
 /// Where a type object keeps its `tp_mro` on this Python (a byte offset), found once on classes
@@ -408,11 +393,7 @@ fn mros_in_place(
 /// Python whose layout was not checked.
 fn mro_offset(py: Python<'_>) -> Option<usize> {
     static OFFSET: GILOnceCell<Option<usize>> = GILOnceCell::new();
-    *OFFSET.get_or_init(py, || {
-        let version = py.version_info();
-        let known = ((3, 11)..(3, 15)).contains(&(version.major, version.minor));
-        known.then(|| probe_mro_offset(py).ok().flatten()).flatten()
-    })
+    *OFFSET.get_or_init(py, || layouts_known(py).then(|| probe_mro_offset(py).ok().flatten()).flatten())
 }
 
 fn probe_mro_offset(py: Python<'_>) -> PyResult<Option<usize>> {
@@ -421,27 +402,22 @@ fn probe_mro_offset(py: Python<'_>) -> PyResult<Option<usize>> {
     let (Some(b), Some(c)) = (globals.get_item("B")?, globals.get_item("C")?) else {
         return Ok(None);
     };
-    // A heap type's object is `type.__basicsize__` bytes long (CPython's PyHeapTypeObject).
-    let words = py.get_type::<PyType>().getattr("__basicsize__")?.extract::<usize>()? / size_of::<usize>();
-    let base = c.as_ptr().cast::<usize>();
-    // SAFETY: `c` is a live heap type of `words` pointer-sized words, read under the GIL; each word
-    // is only compared with an address.
-    let word = |i: usize| unsafe { *base.add(i) };
+    let word = words_of(&c)?; // a heap type: CPython's PyHeapTypeObject
     let before = c.getattr("__mro__")?; // held: its address cannot be reused by the new one
-    let hits: Vec<usize> = (0..words).filter(|&i| word(i) == before.as_ptr() as usize).collect();
-    let [i] = hits[..] else {
+    let Some(i) = the_word_holding(&word, &before) else {
         return Ok(None);
     };
     c.setattr("__bases__", (b,))?;
     let after = c.getattr("__mro__")?;
-    let moved = !after.is(&before) && word(i) == after.as_ptr() as usize;
+    let moved = !after.is(&before) && word(i) == Some(after.as_ptr() as usize);
     Ok(moved.then_some(i * size_of::<usize>()))
 }
 
 /// The address of the pointer field through which `obj.<name>` is `value`, where this Python's
-/// layout is known and the field holds `value` now: an instance's `__dict__` (a managed dict's
-/// pointer three words before the object on 3.11 to 3.14, else at its type's `__dictoffset__`), a
-/// `functools.partial`'s `func`, `args` or `keywords` ([`partial_offsets`]). None elsewhere.
+/// layout is known and the field holds `value` now: a class's `__mro__` ([`mro_offset`]), an
+/// instance's `__dict__` (a managed dict's pointer three words before the object on 3.11 to 3.14,
+/// else at its type's `__dictoffset__`), a `functools.partial`'s `func`, `args` or `keywords`
+/// ([`partial_offsets`]). None elsewhere.
 fn field_address(
     obj: &Bound<'_, PyAny>,
     name: &str,
@@ -449,16 +425,15 @@ fn field_address(
 ) -> Option<*const *mut pyo3::ffi::PyObject> {
     let py = obj.py();
     let base = obj.as_ptr().cast::<u8>();
-    let version = py.version_info();
-    let known = ((3, 11)..(3, 15)).contains(&(version.major, version.minor));
     let offset: isize = match name {
+        "__mro__" if obj.is_instance_of::<PyType>() => mro_offset(py)? as isize,
         "__dict__" => {
             const MANAGED_DICT: std::ffi::c_ulong = 1 << 4; // Py_TPFLAGS_MANAGED_DICT (3.11+)
 
             // SAFETY: a live type object, under the GIL.
             let flags = unsafe { pyo3::ffi::PyType_GetFlags(obj.get_type().as_ptr().cast()) };
             if flags & MANAGED_DICT != 0 {
-                known.then_some(-3 * size_of::<usize>() as isize)?
+                layouts_known(py).then_some(-3 * size_of::<usize>() as isize)?
             } else {
                 obj.get_type().getattr("__dictoffset__").ok()?.extract::<isize>().ok().filter(|&o| o > 0)?
             }
@@ -476,6 +451,23 @@ fn field_address(
     (unsafe { *at } == value.as_ptr()).then_some(at)
 }
 
+/// `obj`'s pointer-sized words, by index, as numbers (None past its type's `__basicsize__`): what
+/// the layout probes compare with addresses.
+fn words_of<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<impl Fn(usize) -> Option<usize> + 'a> {
+    let n = obj.get_type().getattr("__basicsize__")?.extract::<usize>()? / size_of::<usize>();
+    let base = obj.as_ptr().cast::<usize>();
+    // SAFETY: a word inside `obj` (i < n, its type's basic size), alive while borrowed, read under
+    // the GIL; only compared with addresses.
+    Ok(move |i: usize| (i < n).then(|| unsafe { *base.add(i) }))
+}
+
+/// The index of the one word past the object header that holds `value`'s address, if exactly one does.
+fn the_word_holding(word: &impl Fn(usize) -> Option<usize>, value: &Bound<'_, PyAny>) -> Option<usize> {
+    let mut hits = (2..).map_while(|i| word(i).map(|w| (i, w))).filter(|&(_, w)| w == value.as_ptr() as usize);
+    let (i, _) = hits.next()?;
+    hits.next().is_none().then_some(i)
+}
+
 /// `functools.partial`, where [`partial_offsets`] found its layout.
 fn partial_type(py: Python<'_>) -> Option<Bound<'_, PyType>> {
     partial_offsets(py)?;
@@ -487,11 +479,7 @@ fn partial_type(py: Python<'_>) -> Option<Bound<'_, PyType>> {
 /// `__setstate__`. None where not found, or on a Python whose layout was not checked.
 fn partial_offsets(py: Python<'_>) -> Option<[usize; 3]> {
     static OFFSETS: GILOnceCell<Option<[usize; 3]>> = GILOnceCell::new();
-    *OFFSETS.get_or_init(py, || {
-        let version = py.version_info();
-        let known = ((3, 11)..(3, 15)).contains(&(version.major, version.minor));
-        known.then(|| probe_partial_offsets(py).ok().flatten()).flatten()
-    })
+    *OFFSETS.get_or_init(py, || layouts_known(py).then(|| probe_partial_offsets(py).ok().flatten()).flatten())
 }
 
 fn probe_partial_offsets(py: Python<'_>) -> PyResult<Option<[usize; 3]>> {
@@ -504,24 +492,19 @@ fn probe_partial_offsets(py: Python<'_>) -> PyResult<Option<[usize; 3]>> {
     if !p.get_type().is(&py.import("functools")?.getattr("partial")?) {
         return Ok(None); // the Python implementation: no fields of its own
     }
-    let words = p.get_type().getattr("__basicsize__")?.extract::<usize>()? / size_of::<usize>();
-    let base = p.as_ptr().cast::<usize>();
-    // SAFETY: `p` is a live partial of `words` pointer-sized words, read under the GIL; each word
-    // is only compared with an address.
-    let word = |i: usize| unsafe { *base.add(i) };
+    let word = words_of(&p)?;
     let names = ["func", "args", "keywords"];
     let before: Vec<Bound<'_, PyAny>> = names.iter().map(|n| p.getattr(*n)).collect::<PyResult<_>>()?; // held
     let mut found = [0usize; 3];
     for (slot, value) in found.iter_mut().zip(&before) {
-        let hits: Vec<usize> = (2..words).filter(|&i| word(i) == value.as_ptr() as usize).collect();
-        let [i] = hits[..] else {
+        let Some(i) = the_word_holding(&word, value) else {
             return Ok(None);
         };
         *slot = i;
     }
     p.call_method1("__setstate__", (q,))?;
     for (&i, name) in found.iter().zip(names) {
-        if word(i) != p.getattr(name)?.as_ptr() as usize {
+        if word(i) != Some(p.getattr(name)?.as_ptr() as usize) {
             return Ok(None);
         }
     }
@@ -594,11 +577,7 @@ fn same_state(f: &Bound<'_, PyAny>, was: &[Option<Py<PyAny>>]) -> bool {
 fn function_type(py: Python<'_>) -> Option<&Bound<'_, PyType>> {
     static LAYOUT: GILOnceCell<Option<Py<PyType>>> = GILOnceCell::new();
     LAYOUT
-        .get_or_init(py, || {
-            let version = py.version_info();
-            let known = ((3, 11)..(3, 15)).contains(&(version.major, version.minor));
-            known.then(|| probe_function_layout(py).ok().flatten()).flatten()
-        })
+        .get_or_init(py, || layouts_known(py).then(|| probe_function_layout(py).ok().flatten()).flatten())
         .as_ref()
         .map(|t| t.bind(py))
 }
