@@ -113,7 +113,7 @@ READ_LINES = {
 }
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.sampled_from(sorted(WRITES)),
     st.sampled_from(sorted(VIEWS)),
@@ -352,7 +352,7 @@ def pytorch_refuses(model: nn.Module, x: torch.Tensor) -> bool:
     return False
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.sampled_from(sorted(SAVERS)), st.sampled_from(TARGETS), st.booleans())
 def test_E0502_exactly_when_pytorchs_backward_refuses(saver, target, backward):
     model = Saver(SAVERS[saver], target)

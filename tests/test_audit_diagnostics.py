@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import plusequals
+from conftest import examples
 from plusequals.auditing import Finding, audit
 from plusequals.auditing.diagnostics import build, render
 from plusequals.cli.demo import build_cache
@@ -57,7 +58,7 @@ class Residual(nn.Module):
 """
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(allowed=st.sets(st.sampled_from(["E0596", "E0502", "E0382"])), times=st.integers(1, 4))
 def test_an_allow_silences_its_codes_on_the_writing_line_and_warns_when_unused(allowed, times):
     """The write gives E0596 and E0502 (Linear saved x); an allow of a subset silences exactly
@@ -86,7 +87,7 @@ INPLACE = [
 ]
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(which=st.integers(0, len(INPLACE) - 1), depth=st.integers(1, 3))
 def test_where_is_never_the_audits_caller_and_help_names_the_pytorch_fix(which, depth):
     """A Sequential's in-place child writes in torch's code, called by torch's code: the finding
@@ -211,7 +212,7 @@ def test_a_scope_audits_outermost_calls_of_its_thread_only_and_leaves_audit_to_i
 NAMES = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True).filter(lambda s: s not in {"in", "is", "if", "or"})
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     name=NAMES,
     indent=st.integers(0, 12),

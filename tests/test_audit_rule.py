@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from conftest import examples
 from plusequals.auditing import audit
 from plusequals.auditing.frames import short_path
 
@@ -74,7 +75,7 @@ class Holder(nn.Module):
         return self.child(h)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.sampled_from(sorted(HOLDERS)), st.sampled_from(sorted(CHILDREN)))
 def test_the_code_follows_who_else_holds_the_memory(holder, child):
     make, op = CHILDREN[child]

@@ -70,7 +70,7 @@ def swapped_and_reference(tiny_unet):
 VALUES = st.sampled_from([0.0, 1.0, -2.5, 3e-3, float("nan"), float("inf"), float("-inf")])
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=examples(200), deadline=None, derandomize=True)
 @given(st.lists(VALUES, min_size=1, max_size=12), st.integers(0, 11), VALUES)
 def test_the_probe_compares_nan_and_inf_by_position(values, where, other):
     """Equal tensors agree whatever they hold (all NaN included); one value changed to another
@@ -250,7 +250,7 @@ def test_a_twin_made_under_a_mode_is_probed_outside_it(cls):
         assert torch.equal(twin(x, c), block(x, c)) and twin._entry is not None
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
+@settings(max_examples=examples(25), deadline=None, derandomize=True)
 @given(
     st.lists(st.tuples(st.sampled_from([None, *MODES]), st.booleans(), st.sampled_from(["rust", "cpp"])), max_size=8)
 )
@@ -435,7 +435,7 @@ def _same(twin, block, x, c):
     assert got.dtype == dtype and torch.equal(got, expected), dtype
 
 
-@settings(max_examples=20, deadline=None, derandomize=True)
+@settings(max_examples=examples(20), deadline=None, derandomize=True)
 @given(
     st.sampled_from([RustBlock, CppBlock]),
     st.lists(

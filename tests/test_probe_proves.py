@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import make_block, rel_err
+from conftest import examples, make_block, rel_err
 from plusequals import CppBlock, RustBlock, UnsupportedBlockError
 from plusequals.twin import probe as probe_module
 from plusequals.twin.probe import SEEDED, _tensors, inputs, trace, value_reads
@@ -181,7 +181,7 @@ def test_a_change_that_differs_only_in_another_dtype_is_probed_in_that_dtype(cls
         assert torch.equal(rust(xd, cd), block(xd, cd)), "undone, it must work again"
 
 
-@settings(max_examples=12, deadline=None, derandomize=True)
+@settings(max_examples=examples(12), deadline=None, derandomize=True)
 @given(
     kind=st.sampled_from(["tokens", "batch", "python value", "item value"]),
     threshold=st.integers(1, 9),

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from rich.cells import cell_len
 from rich.console import Console
 
+from conftest import examples
 from plusequals.bench import analyse
 from plusequals.bench.results import fmt
 from plusequals.cli import summary
@@ -217,7 +218,7 @@ def verdict_mixes(draw) -> dict:
 
 
 @pytest.mark.parametrize("width", [80, 100])
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(s=verdict_mixes())
 def test_no_verdict_cell_wraps_mid_phrase_and_no_line_is_too_wide(width, s):
     """Any verdict mix (faster / slower / ≈ in every combination and count, long numbers), at 80
@@ -276,7 +277,7 @@ def target_mixes(draw):
     return s | {"targets": targets}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(s=target_mixes(), width=st.integers(80, 200))
 def test_every_target_reads_whole_at_any_width(s, width):
     """The Targets table at any width and any measured values: no line wider than the terminal,

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import make_block, rel_err
+from conftest import examples, make_block, rel_err
 from plusequals import RustBlock, _rust
 from plusequals.model.blocks import BasicTransformerBlock
 from plusequals.twin.forward_code import function_state
@@ -128,7 +128,7 @@ def test_the_shortcut_covers_every_watched_dict_where_cpython_keeps_tags():
 STEP = st.tuples(st.sampled_from(OPS), st.integers(0, 10**6), st.integers(0, 10**6), st.booleans())
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(STEP, max_size=12))
 def test_the_watch_agrees_with_the_full_compare_after_every_change(steps):
     _, watch, global_keys = _reading(1)
@@ -202,7 +202,7 @@ def _empty(cell) -> None:
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["in place", "getattr"])
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(steps=st.lists(st.tuples(st.sampled_from(FUNCTION_OPS), st.integers(0, 10**6), st.booleans()), max_size=10))
 def test_functions_changed_in_place_agree_with_the_oracle(direct, steps):
     """A function's ``__code__``, ``__defaults__`` (to a value or None), ``__kwdefaults__`` or a
@@ -231,7 +231,7 @@ def test_functions_changed_in_place_agree_with_the_oracle(direct, steps):
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["in place", "getattr"])
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(steps=st.lists(st.tuples(st.sampled_from("ABC"), st.sampled_from(["X", "Y", "parent"])), max_size=8))
 def test_a_classs_bases_reassigned_is_a_change_of_every_class_below_it(direct, steps):
     """``__bases__`` reassigned on a noted class or any class above it (to another base, or back):
@@ -295,7 +295,7 @@ HOLDER_OPS = ["new dict", "dict back", "setstate new", "setstate back", "setstat
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["in place", "getattr"])
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(steps=st.lists(st.tuples(st.sampled_from(HOLDER_OPS), st.integers(0, 3)), max_size=8))
 def test_an_instances_dict_and_a_partials_fields_agree_with_the_oracle(direct, steps):
     """An instance's ``__dict__`` reassigned (to a copy, or back) and a partial rebuilt by

@@ -407,7 +407,7 @@ def test_what_the_codes_objects_hold_is_followed_or_refused(held, name):
     assert rel_err(held.run(), held.pytorch()) <= TOL, f"{name} undone: it must work again"
 
 
-@generated_sequences(list(HELD), examples=8, longest=4)
+@generated_sequences(list(HELD), budget=8, longest=4)
 def test_generated_changes_of_what_the_code_holds(held, steps):
     run_sequence(held, HELD, steps)
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import CONTEXT, make_block, make_inputs, rel_err
+from conftest import CONTEXT, examples, make_block, make_inputs, rel_err
 from plusequals import CppBlock, RustBlock, StaleBlock, UnsupportedBlockError
 from support.unet import REPLACED, TinyUnets, unet_inputs
 
@@ -95,12 +95,13 @@ def run_sequence(site: Site, routes: Dict[str, Callable[[Site], Callable[[], Non
     assert rel_err(site.run(), site.pytorch()) <= TOL, f"every change undone, {steps}: it must work again"
 
 
-def generated_sequences(names: List[str], examples: int = 12, longest: int = 5) -> Callable[[Callable], Callable]:
+def generated_sequences(names: List[str], budget: int = 12, longest: int = 5) -> Callable[[Callable], Callable]:
     """The decorator of a routes module's generated test, ``test(site, steps)``: hypothesis draws
-    ``examples`` sequences of up to ``longest`` of ``names`` (a name drawn again undoes it), which
-    the test runs with :func:`run_sequence`."""
+    ``examples(budget)`` sequences (the profile's share of ``budget``: conftest) of up to
+    ``longest`` of ``names`` (a name drawn again undoes it), which the test runs with
+    :func:`run_sequence`."""
     return lambda test: settings(
-        max_examples=examples,
+        max_examples=examples(budget),
         deadline=None,
         derandomize=True,
         suppress_health_check=[HealthCheck.function_scoped_fixture],
