@@ -417,7 +417,7 @@ fn probe_mro_offset(py: Python<'_>) -> PyResult<Option<usize>> {
 /// layout is known and the field holds `value` now: a class's `__mro__` ([`mro_offset`]), an
 /// instance's `__dict__` (a managed dict's pointer three words before the object on 3.11 to 3.14,
 /// else at its type's `__dictoffset__`), a `functools.partial`'s `func`, `args` or `keywords`
-/// ([`partial_offsets`]). None elsewhere.
+/// ([`partial_layout`]). None elsewhere.
 fn field_address(
     obj: &Bound<'_, PyAny>,
     name: &str,
@@ -438,9 +438,13 @@ fn field_address(
                 obj.get_type().getattr("__dictoffset__").ok()?.extract::<isize>().ok().filter(|&o| o > 0)?
             }
         }
-        "func" | "args" | "keywords" if obj.get_type().is(&partial_type(py)?) => {
+        "func" | "args" | "keywords" => {
+            let (partial, offsets) = partial_layout(py)?;
+            if !obj.get_type().is(partial.bind(py)) {
+                return None;
+            }
             let index = ["func", "args", "keywords"].iter().position(|n| *n == name)?;
-            partial_offsets(py)?[index] as isize
+            offsets[index] as isize
         }
         _ => return None,
     };
@@ -468,28 +472,23 @@ fn the_word_holding(word: &impl Fn(usize) -> Option<usize>, value: &Bound<'_, Py
     hits.next().is_none().then_some(i)
 }
 
-/// `functools.partial`, where [`partial_offsets`] found its layout.
-fn partial_type(py: Python<'_>) -> Option<Bound<'_, PyType>> {
-    partial_offsets(py)?;
-    py.import("functools").ok()?.getattr("partial").ok()?.downcast_into::<PyType>().ok()
-}
-
-/// Where a `functools.partial` keeps `func`, `args` and `keywords` (byte offsets), found once on a
-/// partial made here: the one word of each that is its value, and is the new one after
+/// `functools.partial` and where it keeps `func`, `args` and `keywords` (byte offsets), found once
+/// on a partial made here: the one word of each that is its value, and is the new one after
 /// `__setstate__`. None where not found, or on a Python whose layout was not checked.
-fn partial_offsets(py: Python<'_>) -> Option<[usize; 3]> {
-    static OFFSETS: GILOnceCell<Option<[usize; 3]>> = GILOnceCell::new();
-    *OFFSETS.get_or_init(py, || layouts_known(py).then(|| probe_partial_offsets(py).ok().flatten()).flatten())
+fn partial_layout(py: Python<'_>) -> Option<&(Py<PyType>, [usize; 3])> {
+    static LAYOUT: GILOnceCell<Option<(Py<PyType>, [usize; 3])>> = GILOnceCell::new();
+    LAYOUT.get_or_init(py, || layouts_known(py).then(|| probe_partial_layout(py).ok().flatten()).flatten()).as_ref()
 }
 
-fn probe_partial_offsets(py: Python<'_>) -> PyResult<Option<[usize; 3]>> {
+fn probe_partial_layout(py: Python<'_>) -> PyResult<Option<(Py<PyType>, [usize; 3])>> {
     let globals = PyDict::new(py);
     let code = c"import functools\np = functools.partial(len, [1], a=2)\nq = (max, (3, 4), {'b': 5}, None)\n";
     py.run(code, Some(&globals), None)?;
     let (Some(p), Some(q)) = (globals.get_item("p")?, globals.get_item("q")?) else {
         return Ok(None);
     };
-    if !p.get_type().is(&py.import("functools")?.getattr("partial")?) {
+    let partial = py.import("functools")?.getattr("partial")?.downcast_into::<PyType>()?;
+    if !p.get_type().is(&partial) {
         return Ok(None); // the Python implementation: no fields of its own
     }
     let word = words_of(&p)?;
@@ -508,7 +507,7 @@ fn probe_partial_offsets(py: Python<'_>) -> PyResult<Option<[usize; 3]>> {
             return Ok(None);
         }
     }
-    Ok(Some(found.map(|i| i * size_of::<usize>())))
+    Ok(Some((partial.unbind(), found.map(|i| i * size_of::<usize>()))))
 }
 
 /// Adds `f`'s settable fields (`__code__`, `__defaults__`, `__kwdefaults__`) and its cells'

@@ -89,6 +89,7 @@ def global_hook_kinds() -> List[str]:
 
 
 _METHODS = (types.FunctionType, staticmethod, classmethod, functools.partialmethod)
+_MRO = type.__dict__["__mro__"].__get__  # a class's MRO, as getattr_static reads it (no metaclass property)
 
 
 def _shadowed(module: nn.Module) -> List[str]:
@@ -107,9 +108,6 @@ def _shadowed(module: nn.Module) -> List[str]:
         and any(name in d for d in classes)
         and isinstance(inspect.getattr_static(cls, name, None), _METHODS)
     ]
-
-
-_MRO = type.__dict__["__mro__"].__get__  # a class's MRO, as getattr_static reads it (no metaclass property)
 
 
 class Noted(NamedTuple):
