@@ -64,11 +64,12 @@ class Ran:
         # the class of each code's first argument (a method's self), where Python code can change it
         self.receivers: Dict[int, type] = dict(receivers or {})
         nested = {id(c) for code, _, _ in frames for c in list(_codes(code))[1:]}
-        for code, g, _ in frames:
-            if id(code) not in known and id(code) not in nested:
-                places = _find(code, g) + _in_classes(code, self.receivers.get(id(code)))
-                if places:
-                    self.places[id(code)] = places
+        looked = [(code, g) for code, g, _ in frames if id(code) not in known and id(code) not in nested]
+        found = _find(looked)
+        for code, _ in looked:
+            places = found.get(id(code), []) + _in_classes(code, self.receivers.get(id(code)))
+            if places:
+                self.places[id(code)] = places
 
     def reads(self, watched: Iterable[types.FunctionType] = ()) -> Reads:
         """The notes, sized dicts and functions of what ran, from the values there now; the
@@ -173,27 +174,43 @@ def _constant_key(key: Any) -> bool:
     return isinstance(key, (str, int)) or (isinstance(key, tuple) and all(_constant_key(k) for k in key))
 
 
-def _find(code: types.CodeType, g: dict) -> List[Tuple[Any, Any, str]]:
-    """Every place of the globals it ran with where a function running ``code`` sits: a global, a
-    class attribute (of a class that is a global), an entry of a dict or an item of a list or
-    tuple that is a global."""
-    where = g.get("__name__", "?")
-    found: List[Tuple[Any, Any, str]] = []
-    for name, value in list(g.items()):
-        if _runs(value, code):
-            found.append((g, name, f"{where}.{name}"))
-        elif isinstance(value, type):
-            found += [
-                (class_dict(value), key, f"{where}.{name}.{key}")
-                for key, attr in list(vars(value).items())
-                if _runs(attr, code)
-            ]
-        elif isinstance(value, dict):
-            items = list(value.items())
-            found += [(value, key, f"{where}.{name}[{key!r}]") for key, item in items if _runs(item, code)]
-        elif isinstance(value, (list, tuple)):
-            found += [(None, item, f"{where}.{name}[...]") for item in value if _runs(item, code)]
+def _find(looked: List[Tuple[types.CodeType, dict]]) -> Dict[int, List[Tuple[Any, Any, str]]]:
+    """For each code of ``looked`` (by id), every place of the globals it ran with where a function
+    running it sits: a global, a class attribute (of a class that is a global), an entry of a dict
+    or an item of a list or tuple that is a global. Each globals dict is read once, for all the
+    codes that ran in it (a module's large dicts, read once per code, were most of a check's time)."""
+    by_globals: Dict[int, Tuple[dict, Set[int]]] = {}
+    for code, g in looked:
+        by_globals.setdefault(id(g), (g, set()))[1].add(id(code))
+    found: Dict[int, List[Tuple[Any, Any, str]]] = {}
+    for g, codes in by_globals.values():
+        where = g.get("__name__", "?")
+        for name, value in list(g.items()):
+            for code, place in _held(g, where, name, value, codes):
+                found.setdefault(code, []).append(place)
     return found
+
+
+def _held(g: dict, where: str, name: str, value: Any, codes: Set[int]) -> Iterator[Tuple[int, Tuple[Any, Any, str]]]:
+    """(code, place) for each function running one of ``codes`` that the global ``name`` is or
+    holds: the global itself, a class's attribute, a dict's entry, a list's or tuple's item. A
+    place is made for a match alone: a module's dicts are large."""
+    code = _code_of(value)
+    if code is not None:
+        if code in codes:
+            yield code, (g, name, f"{where}.{name}")
+    elif isinstance(value, type):
+        for key, attr in list(vars(value).items()):
+            if (code := _code_of(attr)) in codes:
+                yield code, (class_dict(value), key, f"{where}.{name}.{key}")
+    elif isinstance(value, dict):
+        for key, item in list(value.items()):
+            if (code := _code_of(item)) in codes:
+                yield code, (value, key, f"{where}.{name}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if (code := _code_of(item)) in codes:
+                yield code, (None, item, f"{where}.{name}[...]")
 
 
 def _mro(cls: Optional[type]) -> List[type]:
@@ -228,9 +245,14 @@ def _receivers_read(classes: Iterable[type], sized: Dict[int, dict]) -> Iterator
             yield from (Note(d, k, v, f"{_class_label(c)}.{k}") for k, v in list(d.items()) if k not in INERT)
 
 
-def _runs(value: Any, code: types.CodeType) -> bool:
+def _code_of(value: Any) -> Optional[int]:
+    """The id of the code a function behind ``value`` runs (:func:`_function`; a class runs none), or None."""
     f = _function(value) if not isinstance(value, type) else None
-    return f is not None and f.__code__ is code
+    return id(f.__code__) if f is not None else None
+
+
+def _runs(value: Any, code: types.CodeType) -> bool:
+    return _code_of(value) == id(code)
 
 
 class Recorder:
