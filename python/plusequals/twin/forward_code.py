@@ -33,6 +33,7 @@ from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, O
 
 __all__ = [
     "EMPTY",
+    "HOLDS_FUNCTION",
     "INERT",
     "Note",
     "Reads",
@@ -123,9 +124,15 @@ def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
             yield from _codes(const)
 
 
+# what a function can be behind (:func:`_function`); most values a module holds are none of these
+HOLDS_FUNCTION = (types.FunctionType, staticmethod, classmethod, types.MethodType, property)
+
+
 def _function(value: Any) -> Any:
     """The Python function behind ``value`` (a method, staticmethod, classmethod, property's
     getter), or None."""
+    if not isinstance(value, HOLDS_FUNCTION):
+        return None
     if isinstance(value, (staticmethod, classmethod, types.MethodType)):
         value = value.__func__
     elif isinstance(value, property):

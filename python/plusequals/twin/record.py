@@ -29,9 +29,12 @@ import functools
 import gc
 import sys
 import types
+from itertools import compress, repeat
+from operator import itemgetter
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from .forward_code import (
+    HOLDS_FUNCTION,
     INERT,
     Note,
     Reads,
@@ -200,17 +203,27 @@ def _held(g: dict, where: str, name: str, value: Any, codes: Set[int]) -> Iterat
         if code in codes:
             yield code, (g, name, f"{where}.{name}")
     elif isinstance(value, type):
-        for key, attr in list(vars(value).items()):
+        attrs = list(vars(value).items())
+        for key, attr in _may_hold(attrs, map(itemgetter(1), attrs)):
             if (code := _code_of(attr)) in codes:
                 yield code, (class_dict(value), key, f"{where}.{name}.{key}")
     elif isinstance(value, dict):
-        for key, item in list(value.items()):
+        entries = list(value.items())
+        for key, item in _may_hold(entries, map(itemgetter(1), entries)):
             if (code := _code_of(item)) in codes:
                 yield code, (value, key, f"{where}.{name}[{key!r}]")
     elif isinstance(value, (list, tuple)):
-        for item in value:
+        items = tuple(value)
+        for item in _may_hold(items, items):
             if (code := _code_of(item)) in codes:
                 yield code, (None, item, f"{where}.{name}[...]")
+
+
+def _may_hold(items: Iterable[Any], values: Iterable[Any]) -> Iterator[Any]:
+    """The items whose value (of ``values``, in the same order) a function can be behind
+    (:func:`_function`), picked out in C: inspect's caches, globals of a module a diffusers forward
+    runs, hold an entry for every module loaded, and read in Python they were most of the search."""
+    return compress(items, map(isinstance, values, repeat(HOLDS_FUNCTION)))
 
 
 def _mro(cls: Optional[type]) -> List[type]:
@@ -246,8 +259,8 @@ def _receivers_read(classes: Iterable[type], sized: Dict[int, dict]) -> Iterator
 
 
 def _code_of(value: Any) -> Optional[int]:
-    """The id of the code a function behind ``value`` runs (:func:`_function`; a class runs none), or None."""
-    f = _function(value) if not isinstance(value, type) else None
+    """The id of the code a function behind ``value`` runs (:func:`_function`), or None."""
+    f = _function(value)
     return id(f.__code__) if f is not None else None
 
 
