@@ -79,6 +79,22 @@ def test_an_allow_silences_its_codes_on_the_writing_line_and_warns_when_unused(a
     assert ("warning: unused allow: E0382" in text) == ("E0382" in allowed)
 
 
+def test_an_allow_written_between_two_audits_is_read_as_the_file_is_now():
+    """The allows are read once per file text (audit() reads its model's files at each call): an
+    allow written into the model's file after an audit silences the next one, and taken out, the
+    finding is back, with no unused allow left over."""
+    with tempfile.TemporaryDirectory() as d:
+        module = load(RESIDUAL.format(allow=""), d)
+        path = Path(module.__file__)
+        model = module.Residual(1)
+        codes = []
+        for allow in ("", "  # plusequals: allow(E0596)", ""):
+            path.write_text(textwrap.dedent(RESIDUAL.format(allow=allow)))
+            report = audit(model, torch.randn(2, 4))
+            codes.append((sorted(report.codes), [f.code for f in report.allowed], report.unused_allows))
+    assert codes == [(["E0502", "E0596"], [], []), (["E0502"], ["E0596"], []), (["E0502", "E0596"], [], [])]
+
+
 INPLACE = [
     lambda: nn.ReLU(inplace=True),
     lambda: nn.LeakyReLU(0.1, inplace=True),

@@ -7,6 +7,7 @@ reported back (``AuditReport.unused_allows``, a warning), so stale allows do not
 
 from __future__ import annotations
 
+import functools
 import inspect
 import io
 import linecache
@@ -28,7 +29,13 @@ _TORCH = os.path.dirname(torch.__file__) + os.sep
 def allows_in(file: str) -> Dict[int, FrozenSet[str]]:
     """``line -> codes`` of the allow comments in ``file`` (comments only: read with tokenize)."""
     linecache.checkcache(file)  # the file as it is now, not as an earlier run cached it
-    text = "".join(linecache.getlines(file))
+    return dict(_allows("".join(linecache.getlines(file))))
+
+
+@functools.lru_cache(maxsize=64)
+def _allows(text: str) -> Dict[int, FrozenSet[str]]:
+    """:func:`allows_in` of a file's ``text``, tokenized once per text: every ``audit()`` call reads
+    the files of its model's code again, and a long one took 15 ms to tokenize at each."""
     found: Dict[int, FrozenSet[str]] = {}
     if "plusequals" not in text:
         return found
