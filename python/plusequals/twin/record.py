@@ -203,27 +203,24 @@ def _held(g: dict, where: str, name: str, value: Any, codes: Set[int]) -> Iterat
         if code in codes:
             yield code, (g, name, f"{where}.{name}")
     elif isinstance(value, type):
-        attrs = list(vars(value).items())
-        for key, attr in _may_hold(attrs, map(itemgetter(1), attrs)):
+        for key, attr in _may_hold(list(vars(value).items())):
             if (code := _code_of(attr)) in codes:
                 yield code, (class_dict(value), key, f"{where}.{name}.{key}")
     elif isinstance(value, dict):
-        entries = list(value.items())
-        for key, item in _may_hold(entries, map(itemgetter(1), entries)):
+        for key, item in _may_hold(list(value.items())):
             if (code := _code_of(item)) in codes:
                 yield code, (value, key, f"{where}.{name}[{key!r}]")
     elif isinstance(value, (list, tuple)):
-        items = tuple(value)
-        for item in _may_hold(items, items):
+        for _, item in _may_hold(list(enumerate(value))):
             if (code := _code_of(item)) in codes:
                 yield code, (None, item, f"{where}.{name}[...]")
 
 
-def _may_hold(items: Iterable[Any], values: Iterable[Any]) -> Iterator[Any]:
-    """The items whose value (of ``values``, in the same order) a function can be behind
-    (:func:`_function`), picked out in C: inspect's caches, globals of a module a diffusers forward
-    runs, hold an entry for every module loaded, and read in Python they were most of the search."""
-    return compress(items, map(isinstance, values, repeat(HOLDS_FUNCTION)))
+def _may_hold(entries: List[Tuple[Any, Any]]) -> Iterator[Tuple[Any, Any]]:
+    """The (key, value) entries whose value a function can be behind (:func:`_function`), picked
+    out in C: inspect's caches, globals of a module a diffusers forward runs, hold an entry for
+    every module loaded, and read in Python they were most of the search."""
+    return compress(entries, map(isinstance, map(itemgetter(1), entries), repeat(HOLDS_FUNCTION)))
 
 
 def _mro(cls: Optional[type]) -> List[type]:
